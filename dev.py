@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""The one developer entry point: ``python3 dev.py {test,lint,demo,bench} [ARGS...]``.
+
+It uses only the standard library, so a bare Python >= 3.10 can run it. It creates ``.venv``
+next to this file when missing and installs the project there (editable, with the ``dev``
+extra) when the venv is new or ``pyproject.toml`` changed since the last install; then it runs
+the verb with the venv's Python and exits with the first failing step's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PYTHON = VENV / "bin" / "python"
+STAMP = VENV / ".worqr-pyproject.sha256"  # hash of the pyproject.toml last installed
+PYTEST_NO_TESTS = 5
+
+USAGE = """usage: python3 dev.py VERB [ARGS...]
+  test   run pytest under coverage (ARGS go to pytest), then the coverage report
+  lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
+  demo   python -m worqr demo ARGS
+  bench  python -m benchmarks ARGS"""
+
+
+def run(*cmd: str | Path) -> int:
+    """Run a command in the repo root, saying which step runs; return its exit code."""
+    argv = [str(part) for part in cmd]
+    shown = " ".join(["python" if part == str(PYTHON) else part for part in argv])
+    print(f"==> {shown}", flush=True)
+    return subprocess.run(argv, cwd=ROOT, check=False).returncode
+
+
+def ensure_venv() -> None:
+    """Create .venv and (re)install the project into it when needed; exit if that fails."""
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if not PYTHON.exists() and run(sys.executable, "-m", "venv", VENV) != 0:
+        sys.exit("dev.py: could not create .venv (on Debian/Ubuntu: apt-get install python3-venv)")
+    if STAMP.exists() and STAMP.read_text().strip() == digest:
+        return
+    if run(PYTHON, "-m", "pip", "install", "--quiet", "-e", ".[dev]") != 0:
+        sys.exit("dev.py: installing the project into .venv failed")
+    STAMP.write_text(digest + "\n")
+
+
+def test(args: list[str]) -> int:
+    """Run pytest under coverage; no test collected counts as a failure."""
+    code = run(PYTHON, "-m", "coverage", "run", "-m", "pytest", *args)
+    if code == PYTEST_NO_TESTS:
+        print("dev.py: pytest collected no tests", file=sys.stderr)
+    if code != 0:
+        return code
+    return run(PYTHON, "-m", "coverage", "report")
+
+
+def lint(args: list[str]) -> int:
+    """Run every linter even if one fails; return the first failing code."""
+    codes = [
+        run(PYTHON, "-m", "ruff", "check", ".", *args),
+        run(PYTHON, "-m", "ruff", "format", "--check", "."),
+        run(PYTHON, "-m", "mypy"),
+    ]
+    return next((code for code in codes if code != 0), 0)
+
+
+def demo(args: list[str]) -> int:
+    """Run the worqr demo."""
+    return run(PYTHON, "-m", "worqr", "demo", *args)
+
+
+def bench(args: list[str]) -> int:
+    """Run the benchmarks."""
+    return run(PYTHON, "-m", "benchmarks", *args)
+
+
+VERBS = {"test": test, "lint": lint, "demo": demo, "bench": bench}
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch the verb in argv[0] with the remaining arguments."""
+    if not argv or argv[0] not in VERBS:
+        print(USAGE, file=sys.stderr)
+        return 2
+    ensure_venv()
+    try:
+        return VERBS[argv[0]](argv[1:])
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

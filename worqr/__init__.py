@@ -1,0 +1,46 @@
+"""worqr: a peer-supervised, reliable work queue for asyncio on Redis."""
+
+from ._errors import AuthenticationFailedError as AuthenticationFailedError
+from ._errors import BackendError as BackendError
+from ._errors import BackendUnavailableError as BackendUnavailableError
+from ._errors import ClosedError as ClosedError
+from ._errors import DuplicateTaskError as DuplicateTaskError
+from ._errors import InvalidProcessIdError as InvalidProcessIdError
+from ._errors import InvalidQueueNameError as InvalidQueueNameError
+from ._errors import InvalidTaskError as InvalidTaskError
+from ._errors import InvalidWorkerIdError as InvalidWorkerIdError
+from ._errors import NotWorkingError as NotWorkingError
+from ._errors import PermissionDeniedError as PermissionDeniedError
+from ._errors import ServerStartError as ServerStartError
+from ._errors import WorkerNotStartedError as WorkerNotStartedError
+from ._errors import WorqrError as WorqrError
+from ._events import Subscribed as Subscribed
+from ._models import FailedTask as FailedTask
+from ._models import Listener as Listener
+from ._models import Process as Process
+from ._worqr import Worqr as Worqr
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationFailedError",
+    "BackendError",
+    "BackendUnavailableError",
+    "ClosedError",
+    "DuplicateTaskError",
+    "FailedTask",
+    "InvalidProcessIdError",
+    "InvalidQueueNameError",
+    "InvalidTaskError",
+    "InvalidWorkerIdError",
+    "Listener",
+    "NotWorkingError",
+    "PermissionDeniedError",
+    "Process",
+    "ServerStartError",
+    "Subscribed",
+    "WorkerNotStartedError",
+    "Worqr",
+    "WorqrError",
+    "__version__",
+]

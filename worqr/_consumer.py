@@ -1,0 +1,143 @@
+"""The handler loop behind `Worqr.consume`: concurrency, cancellation, failures."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import anyio
+
+from ._errors import BackendError
+from ._models import Process
+
+logger = logging.getLogger("worqr")
+
+Handler = Callable[[Process], Awaitable[str | None]]
+
+_MAX_BACKOFF = 2.0
+
+
+class Host(Protocol):
+    """What a consumer needs from the `Worqr` that runs it."""
+
+    async def take(self, queue: str) -> Process | None: ...
+
+    async def settle(self, process: Process, outcome: str, detail: str | None) -> None: ...
+
+
+class Consumer:
+    """Runs up to ``concurrency`` handlers for one queue until told to stop.
+
+    Why a handler ends decides what happens to its process: returned -> finished;
+    raised -> failed list; ``cancel`` event -> finished (not requeued); lease lost,
+    queue deleted, work stopped -> nothing (Redis already moved it); the caller
+    cancelled `consume` -> back to the front of the queue.
+    """
+
+    def __init__(self, host: Host, queue: str, handler: Handler, concurrency: int) -> None:
+        self.queue = queue
+        self._host = host
+        self._handler = handler
+        self._concurrency = concurrency
+        self._running: dict[str, tuple[Process, anyio.CancelScope]] = {}
+        self._ending: dict[str, str] = {}
+        self._wake = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._taking = True
+        self.reason: str | None = None
+
+    # -- signals (synchronous, called from event hooks and the facade) -----------------
+
+    def hook(self, kind: str, message: str) -> None:
+        """React to an event on the queue."""
+        if kind == "work":
+            self._wake.set()
+        elif kind == "cancel":
+            for process, _ in list(self._running.values()):
+                if process.task == message:
+                    self._end(process.id, "cancelled")
+        elif kind == "lost":
+            self._end(message, "lost")
+        elif kind == "delete":
+            self.stop("deleted", cancel=True)
+
+    def stop(self, reason: str, *, cancel: bool) -> None:
+        """Stop taking work; with ``cancel`` also cancel the running handlers."""
+        self._taking = False
+        self.reason = self.reason or reason
+        if cancel:
+            for pid in list(self._running):
+                self._end(pid, reason)
+        self._wake.set()
+
+    def _end(self, pid: str, outcome: str) -> None:
+        if pid in self._running:
+            self._ending.setdefault(pid, outcome)
+            self._running[pid][1].cancel()
+
+    async def wait_idle(self) -> None:
+        """Wait until no handler runs."""
+        await self._idle.wait()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Take and run work until stopped; on the caller's cancellation, hand back."""
+        try:
+            async with anyio.create_task_group() as tg:
+                backoff = 0.05
+                while self._taking:
+                    self._wake = anyio.Event()
+                    try:
+                        while self._taking and len(self._running) < self._concurrency:
+                            process = await self._host.take(self.queue)
+                            if process is None:
+                                break
+                            self._start(tg, process)
+                        backoff = 0.05
+                    except BackendError as exc:
+                        logger.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
+                        with anyio.move_on_after(backoff):
+                            await anyio.sleep(math.inf)
+                        backoff = min(backoff * 2, _MAX_BACKOFF)
+                        continue
+                    if self._taking:
+                        await self._wake.wait()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                for process, _ in list(self._running.values()):
+                    await self._host.settle(process, "requeue", None)
+
+    def _start(self, tg: anyio.abc.TaskGroup, process: Process) -> None:
+        scope = anyio.CancelScope()
+        self._running[process.id] = (process, scope)
+        self._idle = anyio.Event()
+        tg.start_soon(self._run_one, process, scope)
+
+    async def _run_one(self, process: Process, scope: anyio.CancelScope) -> None:
+        outcome, detail = "finish", None
+        try:
+            with scope:
+                result = await self._handler(process)
+                if result is not None and not isinstance(result, str):
+                    raise TypeError(f"handler must return str or None, not {type(result).__name__}")
+                detail = result
+        except Exception as exc:
+            logger.exception(
+                "handler failed", extra={"queue": process.queue, "process_id": process.id}
+            )
+            outcome, detail = "fail", f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            outcome, detail = self._ending.get(process.id, "cancelled"), None
+        self._running.pop(process.id, None)
+        self._ending.pop(process.id, None)
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._host.settle(process, outcome, detail)
+        finally:
+            if not self._running:
+                self._idle.set()
+            self._wake.set()

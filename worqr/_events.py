@@ -1,0 +1,211 @@
+"""Queue events: the pub/sub subscriber and the dispatch to listeners.
+
+Pub/sub is a hint, not the source of truth: a message lost while the subscriber
+reconnects only delays work until the next periodic re-check of the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+import anyio
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from ._keys import Keys
+from ._models import Listener
+from ._ops import text
+
+logger = logging.getLogger("worqr")
+
+Hook = Callable[[str, str], None]
+"""An internal, synchronous event hook (the consumers' wake-up and cancel path)."""
+
+_POLL = 0.05
+_MAX_BACKOFF = 2.0
+
+
+class Subscribed:
+    """Returned by `Worqr.on`/`Worqr.off`: awaiting it waits until the subscription
+    is in effect on the server; not awaiting it is fine too."""
+
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait: Callable[[], Awaitable[None]]) -> None:
+        self._wait = wait
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
+
+
+class Events:
+    """Listener registry and the subscriber loop of one `Worqr`."""
+
+    def __init__(
+        self, client: Redis, keys: Keys, on_reconnect: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._on_reconnect = on_reconnect
+        self._listeners: dict[str, list[Listener]] = {}
+        self._hooks: dict[str, list[Hook]] = {}
+        self._pinned: set[str] = set()
+        self._confirmed: set[str] = set()
+        self._changed: anyio.Event | None = None
+        self._settled: dict[str, anyio.Event] = {}
+        self._queue_of: dict[str, str] = {}
+
+    # -- registration ------------------------------------------------------------------
+
+    def _poke_loop(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    def add_listener(self, queue: str, listener: Listener) -> None:
+        self._listeners.setdefault(queue, []).append(listener)
+        self._poke_loop()
+
+    def remove_listener(self, queue: str, listener: Listener) -> None:
+        listeners = self._listeners.get(queue, [])
+        if listener in listeners:
+            listeners.remove(listener)
+        if not listeners:
+            self._listeners.pop(queue, None)
+        self._poke_loop()
+
+    def add_hook(self, queue: str, hook: Hook) -> None:
+        self._hooks.setdefault(queue, []).append(hook)
+        self._poke_loop()
+
+    def remove_hook(self, queue: str, hook: Hook) -> None:
+        hooks = self._hooks.get(queue, [])
+        if hook in hooks:
+            hooks.remove(hook)
+        if not hooks:
+            self._hooks.pop(queue, None)
+        self._poke_loop()
+
+    def pin(self, queue: str) -> None:
+        """Keep a queue subscribed while the worker works on it."""
+        self._pinned.add(queue)
+        self._poke_loop()
+
+    def unpin(self, queue: str) -> None:
+        self._pinned.discard(queue)
+        self._poke_loop()
+
+    def _wanted(self) -> set[str]:
+        return self._pinned | self._listeners.keys() | self._hooks.keys()
+
+    async def settled(self, queue: str) -> None:
+        """Wait until the server-side subscription of ``queue`` matches what is wanted."""
+        while (queue in self._wanted()) != (queue in self._confirmed):
+            event = self._settled.setdefault(queue, anyio.Event())
+            await event.wait()
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    async def poke(self, queue: str, kind: str, message: str) -> None:
+        """Deliver a locally made event to the hooks only (the periodic re-check)."""
+        for hook in list(self._hooks.get(queue, ())):
+            hook(kind, message)
+
+    async def dispatch(self, queue: str, kind: str, message: str) -> None:
+        """Deliver an event to the hooks, then the listeners, of a queue.
+
+        A listener that raises is logged and the rest still run.
+        """
+        for hook in list(self._hooks.get(queue, ())):
+            hook(kind, message)
+        for listener in list(self._listeners.get(queue, ())):
+            try:
+                outcome = listener(kind, message)
+                if inspect.isawaitable(outcome):
+                    await outcome
+            except Exception:
+                logger.exception(
+                    "event listener %r failed on %s event", listener, kind, extra={"queue": queue}
+                )
+
+    # -- the subscriber loop ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Subscribe to what is wanted and deliver messages; reconnect with backoff."""
+        backoff = 0.05
+        reconnecting = False
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await self._serve(pubsub, reconnecting)
+            except (RedisError, OSError) as exc:
+                logger.warning("event subscriber lost its connection (%s); reconnecting", exc)
+                self._lose_confirmations()
+                reconnecting = True
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+            finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+    def _lose_confirmations(self) -> None:
+        self._confirmed.clear()
+
+    async def _serve(self, pubsub: PubSub, reconnecting: bool) -> None:
+        requested: set[str] = set()
+        while True:
+            changed = self._changed = anyio.Event()
+            wanted = self._wanted()
+            await self._sync(pubsub, requested, wanted)
+            if reconnecting and requested and wanted <= self._confirmed:
+                reconnecting = False
+                logger.info("event subscriber reconnected")
+                await self._on_reconnect()
+            if not requested:
+                if reconnecting:
+                    await self._on_reconnect()
+                    reconnecting = False
+                with anyio.move_on_after(1.0):
+                    await changed.wait()
+                continue
+            message = await pubsub.get_message(timeout=_POLL)
+            if message is not None:
+                await self._handle(message)
+
+    async def _sync(self, pubsub: PubSub, requested: set[str], wanted: set[str]) -> None:
+        add, drop = wanted - requested, requested - wanted
+        if add:
+            await pubsub.subscribe(*(self._channel(q) for q in add))
+            requested |= add
+        if drop:
+            await pubsub.unsubscribe(*(self._channel(q) for q in drop))
+            requested -= drop
+        for queue in list(self._settled):
+            if (queue in wanted) == (queue in self._confirmed):
+                self._settled.pop(queue).set()
+
+    def _channel(self, queue: str) -> str:
+        channel = self._keys.events(queue)
+        self._queue_of[channel] = queue
+        return channel
+
+    async def _handle(self, message: dict[str, Any]) -> None:
+        kind = text(message["type"])
+        queue = self._queue_of.get(text(message["channel"]))
+        if queue is None:
+            return
+        if kind == "subscribe":
+            self._confirmed.add(queue)
+        elif kind == "unsubscribe":
+            self._confirmed.discard(queue)
+        elif kind == "message":
+            event, _, body = text(message["data"]).partition(":")
+            await self.dispatch(queue, event, body)
+        settled = self._settled.get(queue)
+        if settled is not None and (queue in self._wanted()) == (queue in self._confirmed):
+            del self._settled[queue]
+            settled.set()

@@ -1,0 +1,74 @@
+"""Every Redis key and channel name worqr uses, built in this one place.
+
+All keys of one queue share the hash tag ``{queue}`` and all keys of one worker
+share ``{worker}``, so every transaction touches a single hash slot and works
+unchanged on Redis Cluster. Registries are single keys of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key and channel names under one prefix."""
+
+    prefix: str
+
+    # -- registries ----------------------------------------------------------------
+
+    @property
+    def queues(self) -> str:
+        """SET of queue names: every queue enqueued to or worked on, until deleted."""
+        return f"{self.prefix}:queues"
+
+    @property
+    def workers(self) -> str:
+        """SET of registered worker ids."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def supervision_lease(self) -> str:
+        """STRING (PX cleanup_interval): the worker running the fleet-wide scan now."""
+        return f"{self.prefix}:supervisor"
+
+    # -- per worker ----------------------------------------------------------------
+
+    def heartbeat(self, worker_id: str) -> str:
+        """STRING (PX worker_timeout): present while the worker is alive."""
+        return f"{self.prefix}:w:{{{worker_id}}}:alive"
+
+    def worker_queues(self, worker_id: str) -> str:
+        """SET of queue names the worker works on."""
+        return f"{self.prefix}:w:{{{worker_id}}}:queues"
+
+    # -- per queue -----------------------------------------------------------------
+
+    def tasks(self, queue: str) -> str:
+        """LIST of queued tasks; the head is dequeued next."""
+        return f"{self.prefix}:q:{{{queue}}}:tasks"
+
+    def failed(self, queue: str) -> str:
+        """LIST of JSON records of failed tasks, oldest first."""
+        return f"{self.prefix}:q:{{{queue}}}:failed"
+
+    def unique(self, queue: str) -> str:
+        """SET of tasks holding a unique mark (enqueued with unique=True, not yet done)."""
+        return f"{self.prefix}:q:{{{queue}}}:unique"
+
+    def holders(self, queue: str) -> str:
+        """SET of worker ids that may hold processes of this queue (for reclaim)."""
+        return f"{self.prefix}:q:{{{queue}}}:holders"
+
+    def held(self, queue: str, worker_id: str) -> str:
+        """SET of the process ids a worker holds in this queue."""
+        return f"{self.prefix}:q:{{{queue}}}:held:{worker_id}"
+
+    def process(self, queue: str, process_id: str) -> str:
+        """LIST holding the one task of an in-process process."""
+        return f"{self.prefix}:q:{{{queue}}}:p:{process_id}"
+
+    def events(self, queue: str) -> str:
+        """Pub/sub channel of the queue's events, messages ``type:message``."""
+        return f"{self.prefix}:q:{{{queue}}}:events"

@@ -1,0 +1,38 @@
+"""Immutable values handed to callers."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ._names import parse_process_id
+
+Listener = Callable[[str, str], Awaitable[None] | None]
+"""An event listener: ``listener(type, message)``, a plain or a coroutine function."""
+
+EVENT_TYPES = frozenset({"work", "cancel", "delete", "done", "lost"})
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """A task being worked on: ``id`` finishes or stops exactly this copy of ``task``."""
+
+    id: str
+    task: str
+    queue: str
+
+    @property
+    def worker_id(self) -> str:
+        """The worker holding this process."""
+        return parse_process_id(self.id).worker_id
+
+
+@dataclass(frozen=True, slots=True)
+class FailedTask:
+    """A task whose handler raised, kept in its queue's failed list until retried."""
+
+    task: str
+    error: str
+    worker_id: str
+    failed_at: float
+    """Unix time, by the failing worker's clock (for display only)."""

@@ -1,0 +1,145 @@
+"""Validation of caller-supplied names and the process id format.
+
+A process id is ``<worker_id>/<token>/<queue>``: any peer can derive from it the
+queue's hash slot and the owning worker's bookkeeping keys without a read. The
+token is a time-ordered hex string, so sorting a worker's ids orders its
+processes by dequeue time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._errors import (
+    InvalidProcessIdError,
+    InvalidQueueNameError,
+    InvalidTaskError,
+    InvalidWorkerIdError,
+)
+
+MAX_QUEUE_NAME = 256
+MAX_WORKER_ID = 128
+_WORKER_ID = re.compile(r"[A-Za-z0-9_.:@-]+")
+_TOKEN = re.compile(r"[0-9a-f]{22}")
+_FORBIDDEN_IN_QUEUE = re.compile(r"[{}\x00-\x1f\x7f-\x9f]")
+_counter = itertools.count()
+
+
+def check_queue(queue: object) -> str:
+    """Return ``queue`` if it is a valid queue name, else raise saying which rule it breaks."""
+    if not isinstance(queue, str):
+        raise TypeError(f"queue name must be a str, not {type(queue).__name__}")
+    if not queue:
+        raise InvalidQueueNameError("queue name must not be empty")
+    if len(queue) > MAX_QUEUE_NAME:
+        raise InvalidQueueNameError(
+            f"queue name must be at most {MAX_QUEUE_NAME} characters, got {len(queue)}"
+        )
+    if _FORBIDDEN_IN_QUEUE.search(queue):
+        raise InvalidQueueNameError(
+            f"queue name must not contain '{{', '}}' or control characters: {queue!r}"
+        )
+    return queue
+
+
+def check_worker_id(worker_id: object) -> str:
+    """Return ``worker_id`` if it is 1-128 characters of ``A-Z a-z 0-9 _ . : @ -``."""
+    if not isinstance(worker_id, str):
+        raise TypeError(f"worker id must be a str, not {type(worker_id).__name__}")
+    if not 0 < len(worker_id) <= MAX_WORKER_ID or not _WORKER_ID.fullmatch(worker_id):
+        raise InvalidWorkerIdError(
+            f"worker id must be 1-{MAX_WORKER_ID} characters of A-Z a-z 0-9 _ . : @ -, "
+            f"got {worker_id!r}"
+        )
+    return worker_id
+
+
+def check_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is a valid key prefix (same alphabet as worker ids)."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+    if not 0 < len(prefix) <= MAX_WORKER_ID or not _WORKER_ID.fullmatch(prefix):
+        raise ValueError(
+            f"prefix must be 1-{MAX_WORKER_ID} characters of A-Z a-z 0-9 _ . : @ -, got {prefix!r}"
+        )
+    return prefix
+
+
+def check_task(task: object) -> str:
+    """Return ``task`` if it is a str that Redis can store (valid UTF-8)."""
+    if not isinstance(task, str):
+        raise TypeError(f"task must be a str, not {type(task).__name__}")
+    try:
+        task.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidTaskError(f"task is not valid Unicode text: {exc}") from exc
+    return task
+
+
+def check_tasks(task_or_tasks: object) -> list[str]:
+    """Normalise one task or a non-empty sequence of tasks to a list."""
+    if isinstance(task_or_tasks, str):
+        return [check_task(task_or_tasks)]
+    if isinstance(task_or_tasks, bytes | bytearray) or not isinstance(task_or_tasks, Sequence):
+        raise TypeError(
+            f"task must be a str or a sequence of str, not {type(task_or_tasks).__name__}"
+        )
+    tasks = [check_task(task) for task in task_or_tasks]
+    if not tasks:
+        raise ValueError("no tasks given")
+    return tasks
+
+
+def check_interval(name: str, value: object) -> float:
+    """Return ``value`` as a float if it is a positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    seconds = float(value)
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def new_worker_id() -> str:
+    """A random worker id."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRef:
+    """The parts of a process id."""
+
+    worker_id: str
+    token: str
+    queue: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.worker_id}/{self.token}/{self.queue}"
+
+
+def new_process_id(worker_id: str, queue: str) -> ProcessRef:
+    """A fresh, unique, time-ordered process id of ``worker_id`` in ``queue``."""
+    token = f"{time.time_ns():016x}{next(_counter) & 0xFFFFFF:06x}"
+    return ProcessRef(worker_id, token, queue)
+
+
+def parse_process_id(process_id: object) -> ProcessRef:
+    """Split a process id, raising `InvalidProcessIdError` if it is malformed."""
+    if not isinstance(process_id, str):
+        raise TypeError(f"process id must be a str, not {type(process_id).__name__}")
+    worker_id, _, rest = process_id.partition("/")
+    token, _, queue = rest.partition("/")
+    try:
+        check_worker_id(worker_id)
+        check_queue(queue)
+    except (InvalidWorkerIdError, InvalidQueueNameError) as exc:
+        raise InvalidProcessIdError(f"malformed process id {process_id!r}: {exc}") from exc
+    if not _TOKEN.fullmatch(token):
+        raise InvalidProcessIdError(f"malformed process id {process_id!r}")
+    return ProcessRef(worker_id, token, queue)

@@ -1,0 +1,614 @@
+"""The atomic operations: the only code that writes to Redis.
+
+One function per transition. Each docstring names the keys it touches and the
+numbered commands it runs, as drawn in docs/diagrams/. Every MULTI/EXEC block
+touches the keys of one hash slot; registry updates (other slots) are separate
+single-key commands ordered so that a crash between them loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar, cast
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import WatchError
+
+from ._errors import BackendError, DuplicateTaskError, redis_boundary
+from ._keys import Keys
+from ._models import FailedTask, Process
+from ._names import ProcessRef, new_process_id, parse_process_id
+
+_T = TypeVar("_T")
+_MAX_ATTEMPTS = 100
+
+Client = Redis
+"""The data connection (pool) worqr writes through."""
+
+
+def text(value: bytes | str) -> str:
+    """A Redis reply as str, whatever the client's ``decode_responses``."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def event(kind: str, message: str = "") -> str:
+    """The wire form of an event on a queue's channel."""
+    return f"{kind}:{message}"
+
+
+async def call(client: Redis | Pipeline, *args: str | int | float) -> Any:
+    """Run one command now and return its raw reply."""
+    return await cast("Awaitable[Any]", client.execute_command(*args))
+
+
+async def _optimistic(
+    r: Client, watch: Sequence[str], body: Callable[[Pipeline], Awaitable[_T]]
+) -> tuple[_T, list[Any]]:
+    """WATCH ``watch``, run ``body`` (reads, then ``pipe.multi()`` and queued writes), EXEC.
+
+    Returns the body's value and EXEC's replies (empty when the body wrote nothing).
+    The body is re-run when a watched key changed before EXEC. Contention is bounded:
+    after many conflicts in a row the operation gives up with a `BackendError`.
+    """
+    async with r.pipeline(transaction=True) as pipe:
+        for _ in range(_MAX_ATTEMPTS):
+            try:
+                await pipe.watch(*watch)
+                result = await body(pipe)
+                if not pipe.explicit_transaction:
+                    await pipe.reset()
+                    return result, []
+                return result, await pipe.execute()
+            except WatchError:
+                continue
+    raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {watch[0]}")
+
+
+# -- queues and tasks -------------------------------------------------------------------
+
+
+@redis_boundary
+async def enqueue(r: Client, keys: Keys, queue: str, tasks: Sequence[str]) -> None:
+    """Append tasks at the back of the queue.
+
+    Keys: queues (SET), tasks (LIST). One round trip:
+      1. SADD queues queue
+      2. RPUSH tasks task... (one command: all tasks or none)
+      3. PUBLISH events work:<count>
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SADD", keys.queues, queue)
+        pipe.execute_command("RPUSH", keys.tasks(queue), *tasks)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
+        await pipe.execute()
+
+
+@redis_boundary
+async def enqueue_unique(r: Client, keys: Keys, queue: str, tasks: Sequence[str]) -> None:
+    """Append tasks that must not already hold a unique mark in this queue.
+
+    WATCH is needed: two producers must not both see "absent" and both push.
+    Keys: queues (SET), unique (SET), tasks (LIST).
+      1. SADD queues queue
+      2. WATCH unique
+      3. SMISMEMBER unique task...      -> any present: UNWATCH, raise DuplicateTaskError
+      4. MULTI
+      5. RPUSH tasks task...
+      6. SADD unique task...
+      7. PUBLISH events work:<count>
+      8. EXEC                            -> nil (unique changed): back to 2
+    """
+    if len(set(tasks)) != len(tasks):
+        raise DuplicateTaskError("the same unique task appears twice in one enqueue")
+    await call(r, "SADD", keys.queues, queue)
+
+    async def body(pipe: Pipeline) -> None:
+        present = await call(pipe, "SMISMEMBER", keys.unique(queue), *tasks)
+        taken = [task for task, flag in zip(tasks, present, strict=True) if flag]
+        if taken:
+            await pipe.reset()
+            raise DuplicateTaskError(
+                f"unique task already queued or in process in {queue!r}: {taken[0]!r}"
+            )
+        pipe.multi()
+        pipe.execute_command("RPUSH", keys.tasks(queue), *tasks)
+        pipe.execute_command("SADD", keys.unique(queue), *tasks)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
+
+    await _optimistic(r, [keys.unique(queue)], body)
+
+
+@redis_boundary
+async def cancel(r: Client, keys: Keys, queue: str, task: str) -> int:
+    """Remove every queued copy of a task and release its unique mark.
+
+    Keys: tasks (LIST), unique (SET).
+      1. MULTI
+      2. LREM tasks 0 task              -> number removed
+      3. SREM unique task
+      4. PUBLISH events cancel:<task>   (running copies are the handlers' to stop)
+      5. EXEC
+    """
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.execute_command("LREM", keys.tasks(queue), 0, task)
+        pipe.execute_command("SREM", keys.unique(queue), task)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", task))
+        removed, _, _ = await pipe.execute()
+    return int(removed)
+
+
+@redis_boundary
+async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
+    """Delete a queue with everything in it: queued, in-process and failed tasks, marks.
+
+    WATCH is needed so that a process dequeued meanwhile is deleted too, not orphaned.
+    Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, queues.
+      1. WATCH holders;  SMEMBERS holders            -> workers
+      2. WATCH held:<w>...;  SMEMBERS held:<w>...     -> process ids
+      3. MULTI
+      4. DEL tasks failed unique holders held:<w>... p:<id>...
+      5. PUBLISH events delete:
+      6. EXEC                                         -> nil: back to 1
+      7. SREM queues queue
+    """
+
+    async def body(pipe: Pipeline) -> None:
+        workers = [text(w) for w in await call(pipe, "SMEMBERS", keys.holders(queue))]
+        held = [keys.held(queue, w) for w in workers]
+        doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.holders(queue)]
+        for held_key in held:
+            await pipe.watch(held_key)
+            pids = await call(pipe, "SMEMBERS", held_key)
+            doomed += [held_key, *(keys.process(queue, text(pid)) for pid in pids)]
+        pipe.multi()
+        pipe.execute_command("DEL", *doomed)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("delete"))
+
+    await _optimistic(r, [keys.holders(queue)], body)
+    await call(r, "SREM", keys.queues, queue)
+
+
+@redis_boundary
+async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> int:
+    """Move the oldest ``limit`` (default all) failed tasks to the back of the queue.
+
+    Keys: failed (LIST of JSON records), tasks (LIST), queues (SET).
+      1. WATCH failed;  LRANGE failed 0 limit-1      -> records
+      2. MULTI
+      3. LTRIM failed <n> -1
+      4. RPUSH tasks task...
+      5. PUBLISH events work:<n>
+      6. EXEC                                         -> nil: back to 1
+      7. SADD queues queue
+    """
+
+    async def body(pipe: Pipeline) -> int:
+        stop = -1 if limit is None else limit - 1
+        records = await call(pipe, "LRANGE", keys.failed(queue), 0, stop)
+        if not records:
+            return 0
+        tasks = [parse_failed(record).task for record in records]
+        pipe.multi()
+        pipe.execute_command("LTRIM", keys.failed(queue), len(tasks), -1)
+        pipe.execute_command("RPUSH", keys.tasks(queue), *tasks)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
+        return len(tasks)
+
+    if limit is not None and limit <= 0:
+        return 0
+    moved, _ = await _optimistic(r, [keys.failed(queue)], body)
+    if moved:
+        await call(r, "SADD", keys.queues, queue)
+    return moved
+
+
+@redis_boundary
+async def failed_tasks(r: Client, keys: Keys, queue: str) -> list[FailedTask]:
+    """The failed list, oldest first.
+
+    1. LRANGE failed 0 -1
+    """
+    return [parse_failed(record) for record in await call(r, "LRANGE", keys.failed(queue), 0, -1)]
+
+
+@redis_boundary
+async def publish(r: Client, keys: Keys, queue: str, kind: str, message: str) -> None:
+    """Announce an event on a queue's channel.
+
+    1. PUBLISH events <kind>:<message>
+    """
+    await call(r, "PUBLISH", keys.events(queue), event(kind, message))
+
+
+@redis_boundary
+async def request_work(r: Client, keys: Keys, queue: str) -> int:
+    """Publish ``work`` with the number of waiting tasks, if there are any.
+
+    1. LLEN tasks
+    2. PUBLISH events work:<count>   (if count > 0)
+    """
+    waiting = int(await call(r, "LLEN", keys.tasks(queue)))
+    if waiting:
+        await publish(r, keys, queue, "work", str(waiting))
+    return waiting
+
+
+def parse_failed(record: bytes | str) -> FailedTask:
+    """Decode one failed-list record."""
+    data = json.loads(text(record))
+    return FailedTask(
+        task=data["task"],
+        error=data["error"],
+        worker_id=data["worker_id"],
+        failed_at=data["failed_at"],
+    )
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+@redis_boundary
+async def dequeue(r: Client, keys: Keys, worker_id: str, queue: str) -> Process | None:
+    """Move the task at the head of the queue into a new process of this worker.
+
+    Keys: tasks (LIST), p:<id> (LIST), held:<w> (SET), holders (SET).
+      1. MULTI
+      2. LMOVE tasks p:<id> LEFT RIGHT  -> the task, or nil when the queue is empty
+      3. SADD held:<w> <id>
+      4. SADD holders <w>
+      5. EXEC
+      6. (queue was empty) SREM held:<w> <id>
+    The SADDs cannot be made conditional on the LMOVE inside MULTI, so an empty
+    dequeue withdraws its id in step 6; an id left behind by a crash there names no
+    process list and is dropped by the next reclaim of the worker.
+    """
+    ref = new_process_id(worker_id, queue)
+    held = keys.held(queue, worker_id)
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.execute_command(
+            "LMOVE", keys.tasks(queue), keys.process(queue, ref.id), "LEFT", "RIGHT"
+        )
+        pipe.execute_command("SADD", held, ref.id)
+        pipe.execute_command("SADD", keys.holders(queue), worker_id)
+        task, _, _ = await pipe.execute()
+    if task is None:
+        await call(r, "SREM", held, ref.id)
+        return None
+    return Process(ref.id, text(task), queue)
+
+
+async def _end_process(
+    r: Client, keys: Keys, ref: ProcessRef, queue_writes: Callable[[Pipeline, str], None]
+) -> str | None:
+    """Fenced end of a process: if it still exists, delete it and its bookkeeping and
+    release the task's unique mark, plus the caller's writes; return its task.
+
+    WATCH is needed because the unique mark may only be released while the process
+    exists: a late finish after a reclaim must not free the mark of the requeued task.
+      1. WATCH p:<id>;  LINDEX p:<id> 0   -> nil: UNWATCH, return None (gone)
+      2. MULTI
+      3. DEL p:<id>
+      4. SREM held:<w> <id>
+      5. SREM unique task
+      6. ...the caller's writes
+      7. EXEC                             -> nil: back to 1
+    """
+    proc = keys.process(ref.queue, ref.id)
+
+    async def body(pipe: Pipeline) -> str | None:
+        raw = await call(pipe, "LINDEX", proc, 0)
+        if raw is None:
+            return None
+        task = text(raw)
+        pipe.multi()
+        pipe.execute_command("DEL", proc)
+        pipe.execute_command("SREM", keys.held(ref.queue, ref.worker_id), ref.id)
+        pipe.execute_command("SREM", keys.unique(ref.queue), task)
+        queue_writes(pipe, task)
+        return task
+
+    task, _ = await _optimistic(r, [proc], body)
+    return task
+
+
+@redis_boundary
+async def finish(r: Client, keys: Keys, ref: ProcessRef, result: str | None) -> str | None:
+    """Finish a process (see `_end_process`), publishing ``done``; return its task or None.
+
+    6. PUBLISH events done:{"process_id","worker_id","task","result"}
+    """
+
+    def writes(pipe: Pipeline, task: str) -> None:
+        message = json.dumps(
+            {"process_id": ref.id, "worker_id": ref.worker_id, "task": task, "result": result}
+        )
+        pipe.execute_command("PUBLISH", keys.events(ref.queue), event("done", message))
+
+    return await _end_process(r, keys, ref, writes)
+
+
+@redis_boundary
+async def fail(r: Client, keys: Keys, ref: ProcessRef, error: str) -> str | None:
+    """Move a process's task to the queue's failed list (see `_end_process`).
+
+    6. RPUSH failed {"task","error","worker_id","failed_at"}
+    """
+
+    def writes(pipe: Pipeline, task: str) -> None:
+        record = {
+            "task": task,
+            "error": error,
+            "worker_id": ref.worker_id,
+            "failed_at": time.time(),
+        }
+        pipe.execute_command("RPUSH", keys.failed(ref.queue), json.dumps(record))
+
+    return await _end_process(r, keys, ref, writes)
+
+
+@redis_boundary
+async def stop(r: Client, keys: Keys, ref: ProcessRef) -> str | None:
+    """Return a process's task to the FRONT of its queue; its unique mark stays.
+
+    Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET). No WATCH: LMOVE from a
+    missing list is a no-op, so a late stop changes nothing.
+      1. MULTI
+      2. LMOVE p:<id> tasks RIGHT LEFT   -> the task, or nil (process gone)
+      3. SREM held:<w> <id>
+      4. PUBLISH events work:1          (a harmless hint if the process was gone)
+      5. EXEC
+    """
+    queue = ref.queue
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.execute_command(
+            "LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"
+        )
+        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
+        task, _, _ = await pipe.execute()
+    return None if task is None else text(task)
+
+
+@redis_boundary
+async def reclaim(r: Client, keys: Keys, queue: str, worker_id: str) -> list[str]:
+    """Return every process a worker holds in a queue to the FRONT, oldest first.
+
+    WATCH is needed: a process dequeued, finished or reclaimed by a racing peer
+    between the read and EXEC aborts the transaction, so no task is duplicated or
+    dropped. Idempotent: a second reclaim finds nothing.
+    Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET).
+      1. WATCH held:<w>;  SMEMBERS held:<w>     -> ids, sorted newest first
+      2. MULTI
+      3. LMOVE p:<id> tasks RIGHT LEFT          (per id; the oldest ends at the head)
+      4. DEL held:<w>
+      5. SREM holders <w>
+      6. PUBLISH events work:<n>                (if there were ids)
+      7. EXEC                                   -> nil: back to 1
+    """
+    held = keys.held(queue, worker_id)
+
+    async def body(pipe: Pipeline) -> int:
+        ids = sorted(
+            (text(pid) for pid in await call(pipe, "SMEMBERS", held)),
+            key=lambda pid: parse_process_id(pid).token,
+            reverse=True,
+        )
+        pipe.multi()
+        for pid in ids:
+            pipe.execute_command(
+                "LMOVE", keys.process(queue, pid), keys.tasks(queue), "RIGHT", "LEFT"
+            )
+        pipe.execute_command("DEL", held)
+        pipe.execute_command("SREM", keys.holders(queue), worker_id)
+        if ids:
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(ids))))
+        return len(ids)
+
+    count, replies = await _optimistic(r, [held], body)
+    return [text(task) for task in replies[:count] if task is not None]
+
+
+@redis_boundary
+async def matching_processes(r: Client, keys: Keys, task: str) -> list[str]:
+    """Ids of every in-process copy of ``task``, in every queue, held by any worker.
+
+    A read-only walk, O(queues + workers + processes):
+      1. SMEMBERS queues
+      2. SMEMBERS holders              (per queue, one round trip)
+      3. SMEMBERS held:<w>             (per holder, one round trip)
+      4. LINDEX p:<id> 0               (per process, one round trip)
+    """
+    queues = [text(q) for q in await call(r, "SMEMBERS", keys.queues)]
+    async with r.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.execute_command("SMEMBERS", keys.holders(queue))
+        holders = await pipe.execute()
+    pairs = [(q, text(w)) for q, ws in zip(queues, holders, strict=True) for w in ws]
+    async with r.pipeline(transaction=False) as pipe:
+        for queue, worker_id in pairs:
+            pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
+        held = await pipe.execute()
+    candidates = sorted(
+        (parse_process_id(text(pid)) for pids in held for pid in pids), key=lambda ref: ref.token
+    )
+    async with r.pipeline(transaction=False) as pipe:
+        for ref in candidates:
+            pipe.execute_command("LINDEX", keys.process(ref.queue, ref.id), 0)
+        tasks = await pipe.execute()
+    return [
+        ref.id
+        for ref, found in zip(candidates, tasks, strict=True)
+        if found is not None and text(found) == task
+    ]
+
+
+# -- workers ------------------------------------------------------------------------------
+
+
+@redis_boundary
+async def register_worker(
+    r: Client, keys: Keys, worker_id: str, timeout_ms: int, queues: Iterable[str]
+) -> None:
+    """Mark a worker alive and list it, with the queues it works on.
+
+    The heartbeat comes first so that a listed worker is never mistaken for a dead one.
+      1. SET alive <now> PX <timeout>
+      2. SADD workers <w>
+      3. SADD w:queues queue...        (if any)
+    """
+    queue_list = list(queues)
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms)
+        pipe.execute_command("SADD", keys.workers, worker_id)
+        if queue_list:
+            pipe.execute_command("SADD", keys.worker_queues(worker_id), *queue_list)
+        await pipe.execute()
+
+
+@redis_boundary
+async def heartbeat(r: Client, keys: Keys, worker_id: str, timeout_ms: int) -> bool:
+    """Extend the heartbeat; False when it had already expired (the worker was presumed dead).
+
+    1. SET alive <now> PX <timeout> XX
+    """
+    reply = await call(
+        r, "SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms, "XX"
+    )
+    return reply is not None
+
+
+@redis_boundary
+async def start_work(r: Client, keys: Keys, worker_id: str, queue: str) -> int:
+    """Record that a worker works on a queue; return how many tasks wait in it.
+
+    1. SADD queues queue
+    2. SADD w:queues queue
+    3. LLEN tasks
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SADD", keys.queues, queue)
+        pipe.execute_command("SADD", keys.worker_queues(worker_id), queue)
+        pipe.execute_command("LLEN", keys.tasks(queue))
+        _, _, waiting = await pipe.execute()
+    return int(waiting)
+
+
+@redis_boundary
+async def stop_work(r: Client, keys: Keys, worker_id: str, queue: str) -> list[str]:
+    """Stop a worker's work on a queue: reclaim its processes there, then forget the queue.
+
+    1. `reclaim` (queue, worker)
+    2. SREM w:queues queue
+    """
+    returned = await reclaim(r, keys, queue, worker_id)
+    await call(r, "SREM", keys.worker_queues(worker_id), queue)
+    return returned
+
+
+@redis_boundary
+async def queues_held_by(r: Client, keys: Keys, worker_id: str) -> set[str]:
+    """Every queue where a worker may hold processes: its work list and any queue
+    whose holders name it (processes recorded after its work list was lost).
+
+      1. SMEMBERS w:queues;  SMEMBERS queues
+      2. SISMEMBER holders <w>   (per queue, one round trip)
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SMEMBERS", keys.worker_queues(worker_id))
+        pipe.execute_command("SMEMBERS", keys.queues)
+        working, known = await pipe.execute()
+    queues = {text(q) for q in working}
+    candidates = [text(q) for q in known]
+    async with r.pipeline(transaction=False) as pipe:
+        for queue in candidates:
+            pipe.execute_command("SISMEMBER", keys.holders(queue), worker_id)
+        flags = await pipe.execute()
+    return queues | {q for q, flag in zip(candidates, flags, strict=True) if flag}
+
+
+@redis_boundary
+async def fail_worker(
+    r: Client, keys: Keys, worker_id: str, *, only_if_dead: bool
+) -> list[tuple[str, list[str]]] | None:
+    """Return all of a worker's processes to the front of their queues and deregister it.
+
+    With ``only_if_dead`` nothing happens (None) while the worker's heartbeat exists.
+    Each step is idempotent and the registry entry goes last, so a peer that crashes
+    midway leaves the worker listed for the next cleanup to finish.
+      1. EXISTS alive (only_if_dead)  |  DEL alive
+      2. `queues_held_by` worker
+      3. `reclaim` (queue, worker)    per queue
+      4. DEL w:queues
+      5. SREM workers <w>
+    """
+    if only_if_dead:
+        if await call(r, "EXISTS", keys.heartbeat(worker_id)):
+            return None
+    else:
+        await call(r, "DEL", keys.heartbeat(worker_id))
+    returned = [
+        (queue, await reclaim(r, keys, queue, worker_id))
+        for queue in sorted(await queues_held_by(r, keys, worker_id))
+    ]
+    await call(r, "DEL", keys.worker_queues(worker_id))
+    await call(r, "SREM", keys.workers, worker_id)
+    return returned
+
+
+@redis_boundary
+async def dead_workers(r: Client, keys: Keys) -> list[str]:
+    """Workers, listed or recorded as holders of some queue, whose heartbeat is gone.
+
+    O(workers + queues) per call; only one peer per interval runs it (see
+    `acquire_supervision`), so fleet-wide cost stays linear in workers.
+      1. SMEMBERS workers;  SMEMBERS queues
+      2. SMEMBERS holders             (per queue, one round trip)
+      3. EXISTS alive                 (per candidate, one round trip)
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SMEMBERS", keys.workers)
+        pipe.execute_command("SMEMBERS", keys.queues)
+        listed, known = await pipe.execute()
+    candidates = {text(w) for w in listed}
+    async with r.pipeline(transaction=False) as pipe:
+        for queue in known:
+            pipe.execute_command("SMEMBERS", keys.holders(text(queue)))
+        for holders in await pipe.execute():
+            candidates.update(text(w) for w in holders)
+    ordered = sorted(candidates)
+    async with r.pipeline(transaction=False) as pipe:
+        for worker_id in ordered:
+            pipe.execute_command("EXISTS", keys.heartbeat(worker_id))
+        alive = await pipe.execute()
+    return [w for w, flag in zip(ordered, alive, strict=True) if not flag]
+
+
+@redis_boundary
+async def acquire_supervision(r: Client, keys: Keys, worker_id: str, lease_ms: int) -> bool:
+    """Take the fleet-wide supervision lease for one interval, if nobody holds it.
+
+    1. SET supervisor <w> NX PX <lease>
+    """
+    return await call(r, "SET", keys.supervision_lease, worker_id, "NX", "PX", lease_ms) is not None
+
+
+@redis_boundary
+async def touch_worker(r: Client, keys: Keys, worker_id: str, queues: Sequence[str]) -> list[int]:
+    """Periodic self-check: keep the registry entries true and count waiting tasks.
+
+    Re-adding is idempotent and heals an entry a racing peer removed just after
+    this worker re-registered.
+      1. SADD workers <w>;  SADD w:queues queue...
+      2. LLEN tasks                   (per queue)
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SADD", keys.workers, worker_id)
+        if queues:
+            pipe.execute_command("SADD", keys.worker_queues(worker_id), *queues)
+        for queue in queues:
+            pipe.execute_command("LLEN", keys.tasks(queue))
+        replies = await pipe.execute()
+    return [int(n) for n in replies[2 if queues else 1 :]]

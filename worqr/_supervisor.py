@@ -1,0 +1,115 @@
+"""Heartbeat and peer supervision: the two loops every started worker runs.
+
+The heartbeat key lives on the server with a TTL, so liveness needs no clock
+agreement between hosts. A worker that finds its heartbeat gone, or could not
+refresh it within ``worker_timeout``, treats its leases as lost (fencing).
+Cleanup is gated by a short fleet-wide lease so that one peer per interval scans
+the registry: the load on Redis grows linearly with the number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Protocol
+
+import anyio
+
+from . import _ops
+from ._errors import BackendError
+from ._keys import Keys
+from ._ops import Client
+
+logger = logging.getLogger("worqr")
+
+
+class Host(Protocol):
+    """What the loops need from the `Worqr` that runs them."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    async def lose_leases(self, reason: str) -> None: ...
+
+    async def recover_leases(self) -> None: ...
+
+    async def cleanup_workers(self) -> list[str]: ...
+
+    async def recheck_queues(self, waiting: dict[str, int]) -> None: ...
+
+    def working_queues(self) -> list[str]: ...
+
+    def leases_lost(self) -> bool: ...
+
+
+class Supervisor:
+    """Runs the heartbeat and cleanup loops of one started worker."""
+
+    def __init__(
+        self,
+        host: Host,
+        client: Client,
+        keys: Keys,
+        *,
+        heartbeat_interval: float,
+        worker_timeout: float,
+        cleanup_interval: float,
+    ) -> None:
+        self._host = host
+        self._client = client
+        self._keys = keys
+        self._heartbeat_interval = heartbeat_interval
+        self._worker_timeout = worker_timeout
+        self._cleanup_interval = cleanup_interval
+        self._last_refresh = time.monotonic()
+
+    @property
+    def timeout_ms(self) -> int:
+        return max(1, round(self._worker_timeout * 1000))
+
+    async def run(self) -> None:
+        """Both loops, until cancelled."""
+        self._last_refresh = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._heartbeat_loop)
+            tg.start_soon(self._cleanup_loop)
+
+    async def _heartbeat_loop(self) -> None:
+        host, keys = self._host, self._keys
+        while True:
+            await anyio.sleep(self._heartbeat_interval)
+            stalled = time.monotonic() - self._last_refresh > self._worker_timeout
+            try:
+                if host.leases_lost():
+                    await host.recover_leases()
+                    self._last_refresh = time.monotonic()
+                    continue
+                alive = await _ops.heartbeat(self._client, keys, host.worker_id, self.timeout_ms)
+            except BackendError as exc:
+                logger.warning("heartbeat failed: %s", exc, extra={"worker_id": host.worker_id})
+                if stalled and not host.leases_lost():
+                    await host.lose_leases("heartbeat not refreshed within worker_timeout")
+                continue
+            if not alive:
+                await host.lose_leases("heartbeat expired")
+            elif stalled:
+                await host.lose_leases("heartbeat not refreshed within worker_timeout")
+            else:
+                self._last_refresh = time.monotonic()
+
+    async def _cleanup_loop(self) -> None:
+        host, keys = self._host, self._keys
+        lease_ms = max(1, round(self._cleanup_interval * 850))
+        while True:
+            await anyio.sleep(self._cleanup_interval * random.uniform(0.9, 1.0))
+            if host.leases_lost():
+                continue
+            try:
+                if await _ops.acquire_supervision(self._client, keys, host.worker_id, lease_ms):
+                    await host.cleanup_workers()
+                queues = host.working_queues()
+                counts = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
+                await host.recheck_queues(dict(zip(queues, counts, strict=True)))
+            except BackendError as exc:
+                logger.warning("cleanup failed: %s", exc, extra={"worker_id": host.worker_id})

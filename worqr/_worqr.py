@@ -1,0 +1,597 @@
+"""`Worqr`: the object users hold. It validates input, keeps this peer's local
+state (worker, queues worked on, processes held, consumers) and delegates every
+write to `_ops`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+from redis.asyncio import Redis
+from typing_extensions import Self
+
+from . import _ops
+from ._consumer import Consumer, Handler
+from ._errors import (
+    BackendError,
+    ClosedError,
+    NotWorkingError,
+    WorkerNotStartedError,
+    redis_boundary,
+)
+from ._events import Events, Subscribed
+from ._keys import Keys
+from ._models import FailedTask, Listener, Process
+from ._names import (
+    ProcessRef,
+    check_interval,
+    check_prefix,
+    check_queue,
+    check_task,
+    check_tasks,
+    check_worker_id,
+    new_worker_id,
+    parse_process_id,
+)
+from ._ops import call, text
+from ._supervisor import Supervisor
+
+logger = logging.getLogger("worqr")
+
+DEFAULT_SHUTDOWN_GRACE = 5.0
+
+
+class Worqr:
+    """A peer of a worqr fleet: producer, worker and supervisor of other workers.
+
+    ``redis`` is a `redis.asyncio.Redis` client this object uses but does not close;
+    `Worqr.from_url` builds and owns its own. Events use one more connection of the
+    client's pool (or of ``subscriber``). Times are in seconds.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        prefix: str = "worqr",
+        worker_id: str | None = None,
+        heartbeat_interval: float = 1.0,
+        worker_timeout: float = 3.0,
+        cleanup_interval: float | None = None,
+        subscriber: Redis | None = None,
+    ) -> None:
+        if not isinstance(redis, Redis):
+            raise TypeError(f"redis must be a redis.asyncio.Redis, not {type(redis).__name__}")
+        if subscriber is not None and not isinstance(subscriber, Redis):
+            raise TypeError(
+                f"subscriber must be a redis.asyncio.Redis, not {type(subscriber).__name__}"
+            )
+        self._heartbeat_interval = check_interval("heartbeat_interval", heartbeat_interval)
+        self._worker_timeout = check_interval("worker_timeout", worker_timeout)
+        if self._worker_timeout <= self._heartbeat_interval:
+            raise ValueError(
+                f"worker_timeout ({worker_timeout}) must be greater than "
+                f"heartbeat_interval ({heartbeat_interval})"
+            )
+        self._cleanup_interval = (
+            min(0.5, self._worker_timeout / 2)
+            if cleanup_interval is None
+            else check_interval("cleanup_interval", cleanup_interval)
+        )
+        self._explicit_id = worker_id is not None
+        self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
+        self._redis = redis
+        self._keys = Keys(check_prefix(prefix))
+        self._owned: list[Redis] = []
+        self._events = Events(subscriber or redis, self._keys, self._after_reconnect)
+        self._runner: asyncio.Task[None] | None = None
+        self._runner_scope = anyio.CancelScope()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._ready: asyncio.Event = asyncio.Event()
+        self._supervisor: anyio.CancelScope | None = None
+        self._working: dict[str, None] = {}
+        self._held: dict[str, Process] = {}
+        self._consumers: set[Consumer] = set()
+        self._lost = False
+        self._epoch = 0
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Worqr:
+        """A `Worqr` with its own client for ``url``, closed with it."""
+        client = Redis.from_url(url, decode_responses=True)
+        worqr = cls(client, **options)
+        worqr._owned.append(client)
+        return worqr
+
+    @property
+    def worker_id(self) -> str:
+        """This peer's worker id."""
+        return self._worker_id
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix that namespaces this application's queues and workers."""
+        return self._keys.prefix
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._ensure_running()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    def _start_runner(self) -> None:
+        if self._runner is None and not self._closed:
+            self._runner = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        with self._runner_scope:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                tg.start_soon(self._events.run)
+                self._ready.set()
+                await anyio.sleep_forever()
+
+    async def _ensure_running(self) -> anyio.abc.TaskGroup:
+        if self._closed:
+            raise ClosedError("this Worqr is closed")
+        self._start_runner()
+        await self._ready.wait()
+        assert self._task_group is not None
+        return self._task_group
+
+    async def shutdown(self, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        """Leave gracefully: stop taking work, give running handlers ``grace`` seconds,
+        cancel the rest, hand whatever is still in process back to the front of its
+        queue (`fail_worker`), and close."""
+        if self._closed:
+            return
+        consumers = list(self._consumers)
+        for consumer in consumers:
+            consumer.stop("shutdown", cancel=False)
+        with anyio.move_on_after(grace):
+            for consumer in consumers:
+                await consumer.wait_idle()
+        for consumer in consumers:
+            consumer.stop("shutdown", cancel=True)
+        with anyio.move_on_after(1.0):
+            for consumer in consumers:
+                await consumer.wait_idle()
+        if self._supervisor is not None:
+            try:
+                await self.fail_worker()
+            except BackendError as exc:
+                logger.warning(
+                    "could not hand work back at shutdown (%s); peers will reclaim it",
+                    exc,
+                    extra={"worker_id": self._worker_id},
+                )
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the background loops and close owned connections WITHOUT handing work
+        back: like a crash, peers reclaim this worker's processes after its timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        for consumer in list(self._consumers):
+            consumer.stop("closed", cancel=True)
+        self._runner_scope.cancel()
+        if self._runner is not None:
+            await self._runner
+        for client in self._owned:
+            await client.aclose()
+
+    # -- queues ------------------------------------------------------------------------
+
+    @redis_boundary
+    async def get_queues(self) -> list[str]:
+        """Names of the queues that have been enqueued to or worked on, and not deleted."""
+        return sorted(text(q) for q in await call(self._redis, "SMEMBERS", self._keys.queues))
+
+    @redis_boundary
+    async def peek_queue(self, queue: str) -> str | None:
+        """The task that will be dequeued next, or None."""
+        raw = await call(self._redis, "LINDEX", self._keys.tasks(check_queue(queue)), 0)
+        return None if raw is None else text(raw)
+
+    @redis_boundary
+    async def count_queue(self, queue: str) -> int:
+        """How many tasks wait in the queue."""
+        return int(await call(self._redis, "LLEN", self._keys.tasks(check_queue(queue))))
+
+    @redis_boundary
+    async def get_tasks(self, queue: str) -> list[str]:
+        """The queued tasks, next first."""
+        raw = await call(self._redis, "LRANGE", self._keys.tasks(check_queue(queue)), 0, -1)
+        return [text(task) for task in raw]
+
+    async def delete_queue(self, queue: str) -> None:
+        """Delete the queue and all its tasks (queued, in process, failed); publishes
+        ``delete``, which ends the `consume` loops of the queue."""
+        await _ops.delete_queue(self._redis, self._keys, check_queue(queue))
+
+    # -- tasks -------------------------------------------------------------------------
+
+    async def enqueue(
+        self, queue: str, task_or_tasks: str | Sequence[str], *, unique: bool = False
+    ) -> None:
+        """Append one task or a sequence of tasks at the back of the queue, atomically.
+
+        With ``unique``, raises `DuplicateTaskError` (writing nothing) while an
+        identical unique task is queued or in process in this queue.
+        """
+        check_queue(queue)
+        tasks = check_tasks(task_or_tasks)
+        if unique:
+            await _ops.enqueue_unique(self._redis, self._keys, queue, tasks)
+        else:
+            await _ops.enqueue(self._redis, self._keys, queue, tasks)
+
+    async def cancel_tasks(self, queue: str, task: str) -> int:
+        """Remove every queued copy of ``task``; publishes ``cancel`` so that workers
+        running a copy can stop it. Returns the number of queued copies removed."""
+        return await _ops.cancel(self._redis, self._keys, check_queue(queue), check_task(task))
+
+    async def get_failed(self, queue: str) -> list[FailedTask]:
+        """The queue's failed tasks, oldest first."""
+        return await _ops.failed_tasks(self._redis, self._keys, check_queue(queue))
+
+    async def retry_failed(self, queue: str, limit: int | None = None) -> int:
+        """Put the oldest ``limit`` (default: all) failed tasks back at the end of the
+        queue; returns how many."""
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise TypeError(f"limit must be an int or None, not {type(limit).__name__}")
+        return await _ops.retry_failed(self._redis, self._keys, check_queue(queue), limit)
+
+    # -- processes -----------------------------------------------------------------------
+
+    async def dequeue(self, queue: str) -> Process | None:
+        """Take the next task of a queue this worker works on, as a new `Process`.
+
+        Returns None when the queue is empty, or while this worker's leases are lost
+        and it is re-registering.
+        """
+        check_queue(queue)
+        self._require_worker()
+        if queue not in self._working:
+            raise NotWorkingError(f"this worker has not started work on {queue!r}")
+        return await self.take(queue)
+
+    async def take(self, queue: str) -> Process | None:
+        """Dequeue, fenced against a lease loss that happens while the command runs."""
+        if self._lost:
+            return None
+        epoch = self._epoch
+        process = await _ops.dequeue(self._redis, self._keys, self._worker_id, queue)
+        if process is None:
+            return None
+        if epoch != self._epoch:
+            await _ops.stop(self._redis, self._keys, parse_process_id(process.id))
+            return None
+        self._held[process.id] = process
+        return process
+
+    async def finish_process(self, process: Process | str, result: str | None = None) -> bool:
+        """Finish a process: its task is done. Publishes ``done``. False (and nothing
+        changes) if the process no longer exists or its lease was lost."""
+        if result is not None and not isinstance(result, str):
+            raise TypeError(f"result must be a str or None, not {type(result).__name__}")
+        ref = self._ref(process)
+        if self._fenced(ref):
+            return False
+        task = await _ops.finish(self._redis, self._keys, ref, result)
+        self._held.pop(ref.id, None)
+        return task is not None
+
+    async def stop_process(self, process: Process | str) -> bool:
+        """Give a process up: its task goes back to the FRONT of its queue. False (and
+        nothing changes) if the process no longer exists or its lease was lost."""
+        ref = self._ref(process)
+        if self._fenced(ref):
+            return False
+        task = await _ops.stop(self._redis, self._keys, ref)
+        self._held.pop(ref.id, None)
+        return task is not None
+
+    async def get_matching_processes(self, task: str) -> list[str]:
+        """Ids of every in-process copy of ``task``, in any queue, held by any worker."""
+        return await _ops.matching_processes(self._redis, self._keys, check_task(task))
+
+    def _ref(self, process: Process | str) -> ProcessRef:
+        return parse_process_id(process.id if isinstance(process, Process) else process)
+
+    def _fenced(self, ref: ProcessRef) -> bool:
+        """While this worker's leases are lost, its own processes may not be ended."""
+        return self._lost and ref.worker_id == self._worker_id
+
+    # -- the worker --------------------------------------------------------------------
+
+    def _require_worker(self) -> None:
+        if self._closed:
+            raise ClosedError("this Worqr is closed")
+        if self._supervisor is None:
+            raise WorkerNotStartedError("call start_worker() before working on queues")
+
+    async def start_worker(self) -> None:
+        """Register this peer as a worker and start its heartbeat and supervision loops.
+
+        With an explicit ``worker_id``, a previous incarnation's processes are first
+        handed back (a restarted worker must not wait for its own timeout).
+        """
+        tg = await self._ensure_running()
+        if self._supervisor is not None:
+            return
+        if self._explicit_id:
+            await _ops.fail_worker(self._redis, self._keys, self._worker_id, only_if_dead=False)
+        supervisor = Supervisor(
+            self,
+            self._redis,
+            self._keys,
+            heartbeat_interval=self._heartbeat_interval,
+            worker_timeout=self._worker_timeout,
+            cleanup_interval=self._cleanup_interval,
+        )
+        await _ops.register_worker(
+            self._redis, self._keys, self._worker_id, supervisor.timeout_ms, ()
+        )
+        self._lost = False
+        scope = self._supervisor = anyio.CancelScope()
+        tg.start_soon(self._supervise, supervisor, scope)
+        logger.info("worker started", extra={"worker_id": self._worker_id})
+
+    async def _supervise(self, supervisor: Supervisor, scope: anyio.CancelScope) -> None:
+        with scope:
+            await supervisor.run()
+
+    async def start_work(self, queue: str) -> None:
+        """Work on a queue: subscribe to its events and publish ``work`` if tasks wait."""
+        check_queue(queue)
+        self._require_worker()
+        self._working[queue] = None
+        self._events.pin(queue)
+        await self._events.settled(queue)
+        waiting = await _ops.start_work(self._redis, self._keys, self._worker_id, queue)
+        if waiting:
+            await _ops.publish(self._redis, self._keys, queue, "work", str(waiting))
+
+    async def stop_work(self, queue: str) -> None:
+        """Stop working on a queue: its `consume` loops end and this worker's processes
+        of the queue go back to the front."""
+        check_queue(queue)
+        for consumer in list(self._consumers):
+            if consumer.queue == queue:
+                consumer.stop("stopped", cancel=True)
+        self._working.pop(queue, None)
+        self._events.unpin(queue)
+        for pid in [pid for pid, p in self._held.items() if p.queue == queue]:
+            del self._held[pid]
+        await _ops.stop_work(self._redis, self._keys, self._worker_id, queue)
+
+    async def request_work(self, queue: str) -> int:
+        """Publish ``work`` with the number of waiting tasks, if any; returns it."""
+        return await _ops.request_work(self._redis, self._keys, check_queue(queue))
+
+    async def fail_worker(self, worker_id: str | None = None) -> int:
+        """Hand every in-process task of a worker (default: this one) back to the front
+        of its queue and deregister the worker. Returns how many tasks went back.
+
+        Failing this worker also stops its loops and consumers; `start_worker` may
+        start it again.
+        """
+        target = self._worker_id if worker_id is None else check_worker_id(worker_id)
+        if target == self._worker_id:
+            self._stop_worker("failed")
+        returned = await _ops.fail_worker(self._redis, self._keys, target, only_if_dead=False)
+        return sum(len(tasks) for _, tasks in returned or ())
+
+    def _stop_worker(self, reason: str) -> None:
+        for consumer in list(self._consumers):
+            consumer.stop(reason, cancel=True)
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            self._supervisor = None
+        for queue in self._working:
+            self._events.unpin(queue)
+        self._working.clear()
+        self._held.clear()
+
+    async def cleanup_workers(self) -> list[str]:
+        """Fail every worker whose heartbeat is gone (including workers known only as
+        holders of processes); returns their ids."""
+        failed: list[str] = []
+        for worker_id in await _ops.dead_workers(self._redis, self._keys):
+            if worker_id == self._worker_id and self._supervisor is not None:
+                continue  # our own heartbeat loop fences and recovers
+            returned = await _ops.fail_worker(self._redis, self._keys, worker_id, only_if_dead=True)
+            if returned is not None:
+                failed.append(worker_id)
+                logger.info(
+                    "reclaimed %d task(s) of dead worker %s",
+                    sum(len(tasks) for _, tasks in returned),
+                    worker_id,
+                    extra={"worker_id": self._worker_id},
+                )
+        return failed
+
+    @redis_boundary
+    async def get_workers(self) -> list[str]:
+        """Ids of the registered workers."""
+        return sorted(text(w) for w in await call(self._redis, "SMEMBERS", self._keys.workers))
+
+    @redis_boundary
+    async def get_working_queues(self, worker_id: str | None = None) -> list[str]:
+        """The queues a worker (default: this one) works on."""
+        target = self._worker_id if worker_id is None else check_worker_id(worker_id)
+        raw = await call(self._redis, "SMEMBERS", self._keys.worker_queues(target))
+        return sorted(text(q) for q in raw)
+
+    # -- fencing (called by the supervisor) -------------------------------------------
+
+    def working_queues(self) -> list[str]:
+        return list(self._working)
+
+    def leases_lost(self) -> bool:
+        return self._lost
+
+    async def lose_leases(self, reason: str) -> None:
+        """Fence this worker: every process it held is reported ``lost`` and its
+        handler cancelled; it re-registers once Redis answers."""
+        if self._lost:
+            return
+        self._lost = True
+        self._epoch += 1
+        logger.warning("worker lost its leases: %s", reason, extra={"worker_id": self._worker_id})
+        held, self._held = self._held, {}
+        for process in held.values():
+            await self._events.dispatch(process.queue, "lost", process.id)
+        try:
+            await self.recover_leases()
+        except BackendError as exc:
+            logger.warning(
+                "re-registration deferred: %s", exc, extra={"worker_id": self._worker_id}
+            )
+
+    async def recover_leases(self) -> None:
+        """Hand back whatever is still recorded under this worker and register anew."""
+        await _ops.fail_worker(self._redis, self._keys, self._worker_id, only_if_dead=False)
+        await _ops.register_worker(
+            self._redis,
+            self._keys,
+            self._worker_id,
+            max(1, round(self._worker_timeout * 1000)),
+            self._working,
+        )
+        self._lost = False
+        logger.info("worker re-registered", extra={"worker_id": self._worker_id})
+        await self.recheck_queues(dict.fromkeys(self._working, 1))
+
+    async def recheck_queues(self, waiting: dict[str, int]) -> None:
+        """Wake this peer's consumers of queues where tasks wait (hooks only)."""
+        for queue, count in waiting.items():
+            if count:
+                await self._events.poke(queue, "work", str(count))
+
+    async def _after_reconnect(self) -> None:
+        await self.recheck_queues(dict.fromkeys(self._working, 1))
+
+    # -- events ------------------------------------------------------------------------
+
+    def on(self, queue: str, listener: Listener) -> Subscribed:
+        """Call ``listener(type, message)`` for each event of ``queue``. Awaiting the
+        result waits until the subscription is in effect."""
+        check_queue(queue)
+        if not callable(listener):
+            raise TypeError(f"listener must be callable, not {type(listener).__name__}")
+        self._events.add_listener(queue, listener)
+        return self._subscribed(queue)
+
+    def off(self, queue: str, listener: Listener) -> Subscribed:
+        """Stop calling ``listener`` for ``queue``."""
+        check_queue(queue)
+        self._events.remove_listener(queue, listener)
+        return self._subscribed(queue)
+
+    def _subscribed(self, queue: str) -> Subscribed:
+        # Without a running event loop, subscriptions start with the first await.
+        with contextlib.suppress(RuntimeError):
+            self._start_runner()
+
+        async def wait() -> None:
+            await self._ensure_running()
+            await self._events.settled(queue)
+
+        return Subscribed(wait)
+
+    # -- high level --------------------------------------------------------------------
+
+    async def consume(self, queue: str, handler: Handler, *, concurrency: int = 1) -> None:
+        """Run ``handler(process)`` for the queue's tasks, up to ``concurrency`` at once.
+
+        Starts the worker and the work on the queue if needed. A returned str (or
+        None) finishes the process with that result; an exception moves the task to
+        the failed list; a ``cancel`` event cancels the handler and finishes its
+        process. Returns when the queue is deleted, `stop_work` is called, or the
+        worker is failed or shut down; cancelling it hands running tasks back.
+        """
+        check_queue(queue)
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, not {type(handler).__name__}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+            raise TypeError(f"concurrency must be an int, not {type(concurrency).__name__}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        if self._supervisor is None:
+            await self.start_worker()
+        started_here = queue not in self._working
+        if started_here:
+            await self.start_work(queue)
+        consumer = Consumer(self, queue, handler, concurrency)
+        self._consumers.add(consumer)
+        self._events.add_hook(queue, consumer.hook)
+        try:
+            await consumer.run()
+        finally:
+            self._consumers.discard(consumer)
+            self._events.remove_hook(queue, consumer.hook)
+            if started_here and consumer.reason in (None, "deleted") and not self._closed:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                    await self._quietly(self.stop_work(queue))
+
+    async def settle(self, process: Process, outcome: str, detail: str | None) -> None:
+        """Apply a handler's outcome to its process, retrying while Redis is away
+        (for at most ``worker_timeout``: after that the lease is lost anyway)."""
+        ref = parse_process_id(process.id)
+        action: Callable[[], Awaitable[object]]
+        if outcome == "finish":
+            action = lambda: self.finish_process(process, detail)  # noqa: E731
+        elif outcome == "cancelled":
+            action = lambda: self.finish_process(process)  # noqa: E731
+        elif outcome == "fail":
+            action = lambda: self._fail_process(ref, detail or "")  # noqa: E731
+        elif outcome == "requeue":
+            action = lambda: self.stop_process(process)  # noqa: E731
+        else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
+            self._held.pop(process.id, None)
+            return
+        epoch, backoff = self._epoch, 0.05
+        with anyio.move_on_after(self._worker_timeout):
+            while epoch == self._epoch and not self._closed:
+                try:
+                    await action()
+                    return
+                except BackendError as exc:
+                    logger.warning(
+                        "could not %s process: %s",
+                        outcome,
+                        exc,
+                        extra={"queue": process.queue, "process_id": process.id},
+                    )
+                    await anyio.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+
+    async def _fail_process(self, ref: ProcessRef, error: str) -> bool:
+        if self._fenced(ref):
+            return False
+        task = await _ops.fail(self._redis, self._keys, ref, error)
+        self._held.pop(ref.id, None)
+        return task is not None
+
+    async def _quietly(self, work: Awaitable[object]) -> None:
+        try:
+            await work
+        except BackendError as exc:
+            logger.warning("cleanup step failed: %s", exc, extra={"worker_id": self._worker_id})
