@@ -17,6 +17,7 @@ logger = logging.getLogger("worqr")
 Handler = Callable[[Process], Awaitable[str | None]]
 
 _MAX_BACKOFF = 2.0
+_TAKE_LIMIT = 10.0
 
 
 class Host(Protocol):
@@ -93,8 +94,12 @@ class Consumer:
                     self._wake = anyio.Event()
                     try:
                         while self._taking and len(self._running) < self._concurrency:
-                            process = await self._host.take(self.queue)
+                            process = await self._take()
                             if process is None:
+                                break
+                            if not self._taking:  # stopped while the dequeue ran
+                                with anyio.CancelScope(shield=True):
+                                    await self._host.settle(process, "requeue", None)
                                 break
                             self._start(tg, process)
                         backoff = 0.05
@@ -108,8 +113,16 @@ class Consumer:
                         await self._wake.wait()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                for process, _ in list(self._running.values()):
+                # Newest first, so that the oldest ends at the head of the queue.
+                for process, _ in reversed(list(self._running.values())):
                     await self._host.settle(process, "requeue", None)
+
+    async def _take(self) -> Process | None:
+        """Dequeue, shielded: a cancellation arriving mid-command must not leave a
+        process taken in Redis that this consumer does not know about."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_TAKE_LIMIT):
+            return await self._host.take(self.queue)
+        return None
 
     def _start(self, tg: anyio.abc.TaskGroup, process: Process) -> None:
         scope = anyio.CancelScope()

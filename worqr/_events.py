@@ -165,7 +165,7 @@ class Events:
                 reconnecting = False
                 logger.info("event subscriber reconnected")
                 await self._on_reconnect()
-            if not requested:
+            if not requested and not self._confirmed:
                 if reconnecting:
                     await self._on_reconnect()
                     reconnecting = False

@@ -64,13 +64,21 @@ class Supervisor:
         self._cleanup_interval = cleanup_interval
         self._last_refresh = time.monotonic()
 
+    def refreshed(self) -> None:
+        """Note a successful heartbeat or registration."""
+        self._last_refresh = time.monotonic()
+
+    def overdue(self) -> bool:
+        """True when the heartbeat has not been refreshed within ``worker_timeout``."""
+        return time.monotonic() - self._last_refresh > self._worker_timeout
+
     @property
     def timeout_ms(self) -> int:
         return max(1, round(self._worker_timeout * 1000))
 
     async def run(self) -> None:
         """Both loops, until cancelled."""
-        self._last_refresh = time.monotonic()
+        self.refreshed()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat_loop)
             tg.start_soon(self._cleanup_loop)
@@ -79,11 +87,10 @@ class Supervisor:
         host, keys = self._host, self._keys
         while True:
             await anyio.sleep(self._heartbeat_interval)
-            stalled = time.monotonic() - self._last_refresh > self._worker_timeout
+            stalled = self.overdue()
             try:
                 if host.leases_lost():
                     await host.recover_leases()
-                    self._last_refresh = time.monotonic()
                     continue
                 alive = await _ops.heartbeat(self._client, keys, host.worker_id, self.timeout_ms)
             except BackendError as exc:
@@ -96,7 +103,7 @@ class Supervisor:
             elif stalled:
                 await host.lose_leases("heartbeat not refreshed within worker_timeout")
             else:
-                self._last_refresh = time.monotonic()
+                self.refreshed()
 
     async def _cleanup_loop(self) -> None:
         host, keys = self._host, self._keys

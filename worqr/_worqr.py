@@ -94,6 +94,7 @@ class Worqr:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._ready: asyncio.Event = asyncio.Event()
         self._supervisor: anyio.CancelScope | None = None
+        self._beat: Supervisor | None = None
         self._working: dict[str, None] = {}
         self._held: dict[str, Process] = {}
         self._consumers: set[Consumer] = set()
@@ -291,7 +292,7 @@ class Worqr:
         if result is not None and not isinstance(result, str):
             raise TypeError(f"result must be a str or None, not {type(result).__name__}")
         ref = self._ref(process)
-        if self._fenced(ref):
+        if await self._fenced(ref):
             return False
         task = await _ops.finish(self._redis, self._keys, ref, result)
         self._held.pop(ref.id, None)
@@ -301,7 +302,7 @@ class Worqr:
         """Give a process up: its task goes back to the FRONT of its queue. False (and
         nothing changes) if the process no longer exists or its lease was lost."""
         ref = self._ref(process)
-        if self._fenced(ref):
+        if await self._fenced(ref):
             return False
         task = await _ops.stop(self._redis, self._keys, ref)
         self._held.pop(ref.id, None)
@@ -314,9 +315,15 @@ class Worqr:
     def _ref(self, process: Process | str) -> ProcessRef:
         return parse_process_id(process.id if isinstance(process, Process) else process)
 
-    def _fenced(self, ref: ProcessRef) -> bool:
-        """While this worker's leases are lost, its own processes may not be ended."""
-        return self._lost and ref.worker_id == self._worker_id
+    async def _fenced(self, ref: ProcessRef) -> bool:
+        """Whether this is one of our own processes whose lease is lost: the heartbeat
+        expired, or was not refreshed within ``worker_timeout`` (e.g. the event loop
+        was blocked), in which case peers may already have reclaimed it."""
+        if ref.worker_id != self._worker_id:
+            return False
+        if not self._lost and self._beat is not None and self._beat.overdue():
+            await self.lose_leases("heartbeat not refreshed within worker_timeout")
+        return self._lost
 
     # -- the worker --------------------------------------------------------------------
 
@@ -349,6 +356,7 @@ class Worqr:
             self._redis, self._keys, self._worker_id, supervisor.timeout_ms, ()
         )
         self._lost = False
+        self._beat = supervisor
         scope = self._supervisor = anyio.CancelScope()
         tg.start_soon(self._supervise, supervisor, scope)
         logger.info("worker started", extra={"worker_id": self._worker_id})
@@ -404,6 +412,7 @@ class Worqr:
         if self._supervisor is not None:
             self._supervisor.cancel()
             self._supervisor = None
+            self._beat = None
         for queue in self._working:
             self._events.unpin(queue)
         self._working.clear()
@@ -476,6 +485,8 @@ class Worqr:
             self._working,
         )
         self._lost = False
+        if self._beat is not None:
+            self._beat.refreshed()
         logger.info("worker re-registered", extra={"worker_id": self._worker_id})
         await self.recheck_queues(dict.fromkeys(self._working, 1))
 
@@ -584,7 +595,7 @@ class Worqr:
                     backoff = min(backoff * 2, 1.0)
 
     async def _fail_process(self, ref: ProcessRef, error: str) -> bool:
-        if self._fenced(ref):
+        if await self._fenced(ref):
             return False
         task = await _ops.fail(self._redis, self._keys, ref, error)
         self._held.pop(ref.id, None)

@@ -1,0 +1,78 @@
+"""Shared fixtures: one real server per session (REDIS_URL overrides) and one
+shared fakeredis server; each test gets a fresh key prefix."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import fakeredis
+import pytest
+from redis.asyncio import Redis
+
+from worqr import Worqr
+from worqr._embedded import EmbeddedServer
+
+from .helpers import FAST, Factory
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    with EmbeddedServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture(params=["redis", "fake"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def client(
+    backend: str, redis_url: str, fake_server: fakeredis.FakeServer
+) -> AsyncIterator[Redis]:
+    if backend == "redis":
+        redis = Redis.from_url(redis_url, decode_responses=True)
+    else:
+        redis = fakeredis.FakeAsyncRedis(server=fake_server, decode_responses=True)
+    yield redis
+    await redis.aclose()
+
+
+@pytest.fixture
+async def real_client(redis_url: str) -> AsyncIterator[Redis]:
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    yield redis
+    await redis.aclose()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def make(client: Redis, prefix: str) -> AsyncIterator[Factory]:
+    """Build `Worqr` peers on the test's backend and prefix; all are closed afterwards."""
+    peers: list[Worqr] = []
+
+    def factory(**options: Any) -> Worqr:
+        redis = options.pop("redis", client)
+        worqr = Worqr(redis, **{"prefix": prefix, **FAST, **options})
+        peers.append(worqr)
+        return worqr
+
+    yield factory
+    for worqr in peers:
+        await worqr.close()

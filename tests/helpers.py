@@ -1,0 +1,44 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from redis.asyncio import Redis
+
+from worqr import Worqr
+
+FAST = {"heartbeat_interval": 0.1, "worker_timeout": 0.5, "cleanup_interval": 0.1}
+"""Short intervals so that supervision tests run in well under a second."""
+
+Factory = Callable[..., Worqr]
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool], within: float = 5.0
+) -> None:
+    """Wait, bounded, until ``check()`` is true (polling the state, not sleeping blind)."""
+    with anyio.fail_after(within):
+        while True:
+            outcome = check()
+            if not isinstance(outcome, bool):
+                outcome = await outcome
+            if outcome:
+                return
+            await anyio.sleep(0.01)
+
+
+async def raw_keys(redis: Redis, prefix: str) -> dict[str, Any]:
+    """Every key under ``prefix`` with its type and value, for asserting raw state."""
+    state: dict[str, Any] = {}
+    async for key in redis.scan_iter(match=f"{prefix}:*"):
+        kind = await redis.type(key)
+        if kind == "list":
+            state[key] = await redis.lrange(key, 0, -1)
+        elif kind == "set":
+            state[key] = sorted(await redis.smembers(key))
+        else:
+            state[key] = await redis.get(key)
+    return state

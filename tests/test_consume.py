@@ -1,0 +1,309 @@
+"""consume(): results, failures, cancel events, concurrency, how it returns."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from worqr import Process, Worqr
+
+from .helpers import Factory, eventually
+
+
+async def test_handlers_finish_with_their_result(make: Factory) -> None:
+    worker, producer = make(), make()
+    done: list[dict[str, str]] = []
+    await producer.on(
+        "jobs", lambda kind, message: done.append(json.loads(message)) if kind == "done" else None
+    )
+
+    async def handler(process: Process) -> str:
+        return process.task.upper()
+
+    await producer.enqueue("jobs", ["a", "b", "c"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: len(done) == 3)
+        tg.cancel_scope.cancel()
+    assert [d["result"] for d in done] == ["A", "B", "C"]
+    assert await producer.get_tasks("jobs") == []
+
+
+async def test_consume_starts_worker_and_work_and_is_woken_by_enqueue(make: Factory) -> None:
+    worker, producer = make(), make()
+    seen: list[str] = []
+
+    async def handler(process: Process) -> None:
+        seen.append(process.task)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: _working(producer, worker))
+        await producer.enqueue("jobs", "late")
+        await eventually(lambda: seen == ["late"])
+        tg.cancel_scope.cancel()
+
+
+async def _working(producer: Worqr, worker: Worqr) -> bool:
+    return await producer.get_working_queues(worker.worker_id) == ["jobs"]
+
+
+async def test_concurrency_is_respected(make: Factory) -> None:
+    worker = make()
+    running = 0
+    peak = 0
+    finished = 0
+
+    async def handler(process: Process) -> None:
+        nonlocal running, peak, finished
+        running += 1
+        peak = max(peak, running)
+        await anyio.sleep(0.02)
+        running -= 1
+        finished += 1
+
+    await worker.enqueue("jobs", [str(i) for i in range(30)])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=4))
+        await eventually(lambda: finished == 30)
+        tg.cancel_scope.cancel()
+    assert peak == 4
+
+
+async def test_failing_handler_moves_task_to_failed_list_without_spinning(
+    make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = make()
+    calls: dict[str, int] = {}
+
+    async def handler(process: Process) -> str:
+        calls[process.task] = calls.get(process.task, 0) + 1
+        if process.task == "poison":
+            raise ValueError("bad input")
+        return "ok"
+
+    await worker.enqueue("jobs", ["good", "poison", "good2"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: calls.get("good2") == 1)
+        await anyio.sleep(0.3)
+        tg.cancel_scope.cancel()
+    assert calls == {"good": 1, "poison": 1, "good2": 1}
+    failed = await worker.get_failed("jobs")
+    assert [(f.task, f.error, f.worker_id) for f in failed] == [
+        ("poison", "ValueError: bad input", worker.worker_id)
+    ]
+    assert "handler failed" in caplog.text
+    assert await worker.retry_failed("jobs") == 1
+    assert await worker.get_failed("jobs") == []
+    assert await worker.get_tasks("jobs") == ["poison"]
+
+
+async def test_retry_failed_with_limit(make: Factory) -> None:
+    worker = make()
+
+    async def handler(process: Process) -> None:
+        raise RuntimeError(process.task)
+
+    await worker.enqueue("jobs", ["1", "2", "3"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: _failed(worker, 3))
+        await worker.stop_work("jobs")
+    assert await worker.retry_failed("jobs", 2) == 2
+    assert await worker.get_tasks("jobs") == ["1", "2"]
+    assert [f.task for f in await worker.get_failed("jobs")] == ["3"]
+    assert await worker.retry_failed("jobs", 0) == 0
+
+
+async def _failed(worqr: Worqr, count: int) -> bool:
+    return len(await worqr.get_failed("jobs")) == count
+
+
+async def test_non_str_result_is_a_handler_failure(make: Factory) -> None:
+    worker = make()
+
+    async def handler(process: Process) -> str:
+        return 42  # type: ignore[return-value]
+
+    await worker.enqueue("jobs", "t")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: _failed(worker, 1))
+        tg.cancel_scope.cancel()
+    assert "TypeError" in (await worker.get_failed("jobs"))[0].error
+
+
+async def test_cancel_event_cancels_running_handler_and_finishes_it(make: Factory) -> None:
+    worker, producer = make(), make()
+    started, cancelled = anyio.Event(), anyio.Event()
+    kinds: list[str] = []
+    await producer.on("jobs", lambda kind, message: kinds.append(kind))
+
+    async def handler(process: Process) -> None:
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            cancelled.set()
+            raise
+
+    await producer.enqueue("jobs", ["doomed", "doomed"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await started.wait()
+        assert await producer.cancel_tasks("jobs", "doomed") == 1
+        await cancelled.wait()
+        await eventually(lambda: "done" in kinds)
+        tg.cancel_scope.cancel()
+    assert await producer.get_tasks("jobs") == []
+    assert await producer.get_matching_processes("doomed") == []
+
+
+async def test_returns_when_queue_is_deleted(make: Factory) -> None:
+    worker, producer = make(), make()
+    started = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    await producer.enqueue("jobs", "t")
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.consume, "jobs", handler)
+            await started.wait()
+            await producer.delete_queue("jobs")
+    assert await producer.get_tasks("jobs") == []
+    assert await producer.get_working_queues(worker.worker_id) == []
+
+
+async def test_returns_on_stop_work_and_hands_tasks_back(make: Factory) -> None:
+    worker = make()
+    started = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    await worker.enqueue("jobs", ["a", "b", "c"])
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=2))
+            await started.wait()
+            await worker.stop_work("jobs")
+    assert await worker.get_tasks("jobs") == ["a", "b", "c"]
+
+
+async def test_caller_cancellation_hands_running_tasks_back_to_front(make: Factory) -> None:
+    worker = make()
+    started = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    await worker.enqueue("jobs", ["a", "b", "c"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=2))
+        await started.wait()
+        tg.cancel_scope.cancel()
+    assert await worker.get_tasks("jobs") == ["a", "b", "c"]
+    assert await worker.get_matching_processes("a") == []
+
+
+async def test_persistent_task_moves_to_a_live_peer_when_its_worker_dies(make: Factory) -> None:
+    first, second = make(), make()
+    holders: list[str] = []
+
+    def persistent(name: str):  # type: ignore[no-untyped-def]
+        async def handler(process: Process) -> None:
+            holders.append(name)
+            await anyio.sleep_forever()
+
+        return handler
+
+    await first.enqueue("connections", "conn-1")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first.consume, "connections", persistent("first"))
+        await eventually(lambda: holders == ["first"])
+        tg.start_soon(second.consume, "connections", persistent("second"))
+        await anyio.sleep(0.3)
+        assert holders == ["first"]  # held by exactly one live worker
+        await first.close()  # crash: nothing handed back
+        await eventually(lambda: holders == ["first", "second"])
+        tg.cancel_scope.cancel()
+
+
+async def test_blocked_event_loop_fences_the_late_finish(make: Factory) -> None:
+    worker = make()
+    lost: list[str] = []
+    await worker.on("jobs", lambda kind, message: lost.append(message) if kind == "lost" else None)
+    runs: list[str] = []
+
+    async def handler(process: Process) -> str:
+        runs.append(process.id)
+        if len(runs) == 1:
+            time.sleep(0.8)  # noqa: ASYNC251 - blocks the loop past worker_timeout (0.5 s)
+        return "ok"
+
+    await worker.enqueue("jobs", "t")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: len(runs) == 2)
+        tg.cancel_scope.cancel()
+    assert lost == [runs[0]]  # the first lease was reported lost, its finish refused
+    assert await worker.get_tasks("jobs") == []
+
+
+async def test_shutdown_waits_grace_then_hands_back(make: Factory) -> None:
+    worker, peer = make(), make()
+    quick_done = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        if process.task == "quick":
+            await anyio.sleep(0.1)
+            quick_done.set()
+        else:
+            await anyio.sleep_forever()
+
+    await peer.enqueue("jobs", ["quick", "slow"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=2))
+        await eventually(lambda: _in_process(peer, 2))
+        await worker.shutdown(grace=0.5)
+    assert quick_done.is_set()
+    assert await peer.get_tasks("jobs") == ["slow"]
+    assert await peer.get_workers() == []
+
+
+async def _in_process(worqr: Worqr, count: int) -> bool:
+    found = await worqr.get_matching_processes("quick") + await worqr.get_matching_processes("slow")
+    return len(found) == count
+
+
+async def test_async_with_hands_back_on_exit(
+    real_client: Redis, redis_url: str, prefix: str
+) -> None:
+    started = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    peer = Worqr(real_client, prefix=prefix)
+    await peer.enqueue("jobs", "t")
+    async with (
+        Worqr.from_url(redis_url, prefix=prefix) as worker,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(worker.consume, "jobs", handler)
+        await started.wait()
+        tg.start_soon(worker.shutdown, 0.1)
+    assert await peer.get_tasks("jobs") == ["t"]
+    assert await peer.get_workers() == []
+    await peer.close()
