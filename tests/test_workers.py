@@ -206,3 +206,22 @@ async def test_supervision_scans_once_per_interval_not_once_per_worker(
 
 async def _count(worqr: Worqr, expected: int) -> bool:
     return await worqr.count_queue("jobs") == expected
+
+
+async def test_stray_process_of_a_live_worker_is_returned(
+    make: Factory, client: Redis, prefix: str
+) -> None:
+    """A process recorded under this worker that it does not know of (a dequeue
+    whose reply was lost and was retried) goes back to the front."""
+    worker = make()
+    await worker.start_worker()
+    await worker.start_work("jobs")
+    await worker.enqueue("jobs", "next")
+    stray = f"{worker.worker_id}/{'0' * 22}/jobs"
+    await client.rpush(f"{prefix}:q:{{jobs}}:p:{stray}", "lost-reply")
+    await client.sadd(f"{prefix}:q:{{jobs}}:held:{worker.worker_id}", stray)
+    await eventually(lambda: _tasks(worker, ["lost-reply", "next"]))
+
+
+async def _tasks(worqr: Worqr, expected: list[str]) -> bool:
+    return await worqr.get_tasks("jobs") == expected

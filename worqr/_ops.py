@@ -596,13 +596,16 @@ async def acquire_supervision(r: Client, keys: Keys, worker_id: str, lease_ms: i
 
 
 @redis_boundary
-async def touch_worker(r: Client, keys: Keys, worker_id: str, queues: Sequence[str]) -> list[int]:
-    """Periodic self-check: keep the registry entries true and count waiting tasks.
+async def touch_worker(
+    r: Client, keys: Keys, worker_id: str, queues: Sequence[str]
+) -> list[tuple[int, list[str]]]:
+    """Periodic self-check: keep the registry entries true, count waiting tasks and
+    list the processes Redis records under this worker, per queue.
 
     Re-adding is idempotent and heals an entry a racing peer removed just after
     this worker re-registered.
       1. SADD workers <w>;  SADD w:queues queue...
-      2. LLEN tasks                   (per queue)
+      2. LLEN tasks;  SMEMBERS held:<w>      (per queue)
     """
     async with r.pipeline(transaction=False) as pipe:
         pipe.execute_command("SADD", keys.workers, worker_id)
@@ -610,5 +613,10 @@ async def touch_worker(r: Client, keys: Keys, worker_id: str, queues: Sequence[s
             pipe.execute_command("SADD", keys.worker_queues(worker_id), *queues)
         for queue in queues:
             pipe.execute_command("LLEN", keys.tasks(queue))
+            pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
         replies = await pipe.execute()
-    return [int(n) for n in replies[2 if queues else 1 :]]
+    per_queue = replies[2 if queues else 1 :]
+    return [
+        (int(waiting), [text(pid) for pid in held])
+        for waiting, held in zip(per_queue[::2], per_queue[1::2], strict=True)
+    ]

@@ -38,6 +38,8 @@ class Host(Protocol):
 
     async def recheck_queues(self, waiting: dict[str, int]) -> None: ...
 
+    async def audit_processes(self, recorded: list[str]) -> None: ...
+
     def working_queues(self) -> list[str]: ...
 
     def leases_lost(self) -> bool: ...
@@ -116,7 +118,9 @@ class Supervisor:
                 if await _ops.acquire_supervision(self._client, keys, host.worker_id, lease_ms):
                     await host.cleanup_workers()
                 queues = host.working_queues()
-                counts = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
-                await host.recheck_queues(dict(zip(queues, counts, strict=True)))
+                found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
+                await host.audit_processes([pid for _, held in found for pid in held])
+                waiting = [count for count, _ in found]
+                await host.recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:
                 logger.warning("cleanup failed: %s", exc, extra={"worker_id": host.worker_id})

@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from typing_extensions import Self
 
 from . import _ops
@@ -90,7 +95,7 @@ class Worqr:
         self._owned: list[Redis] = []
         self._events = Events(subscriber or redis, self._keys, self._after_reconnect)
         self._runner: asyncio.Task[None] | None = None
-        self._runner_scope = anyio.CancelScope()
+        self._runner_scope: anyio.CancelScope | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._ready: asyncio.Event = asyncio.Event()
         self._supervisor: anyio.CancelScope | None = None
@@ -105,7 +110,12 @@ class Worqr:
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
         """A `Worqr` with its own client for ``url``, closed with it."""
-        client = Redis.from_url(url, decode_responses=True)
+        client = Redis.from_url(
+            url,
+            decode_responses=True,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
         worqr = cls(client, **options)
         worqr._owned.append(client)
         return worqr
@@ -136,10 +146,12 @@ class Worqr:
 
     def _start_runner(self) -> None:
         if self._runner is None and not self._closed:
-            self._runner = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            self._runner_scope = anyio.CancelScope()
+            self._runner = loop.create_task(self._run(self._runner_scope))
 
-    async def _run(self) -> None:
-        with self._runner_scope:
+    async def _run(self, scope: anyio.CancelScope) -> None:
+        with scope:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
                 tg.start_soon(self._events.run)
@@ -190,7 +202,8 @@ class Worqr:
         self._closed = True
         for consumer in list(self._consumers):
             consumer.stop("closed", cancel=True)
-        self._runner_scope.cancel()
+        if self._runner_scope is not None:
+            self._runner_scope.cancel()
         if self._runner is not None:
             await self._runner
         for client in self._owned:
@@ -495,6 +508,24 @@ class Worqr:
         for queue, count in waiting.items():
             if count:
                 await self._events.poke(queue, "work", str(count))
+
+    async def audit_processes(self, recorded: list[str]) -> None:
+        """Stop (back to the front) processes Redis records under this worker that this
+        peer does not know of, e.g. a dequeue retried after its reply was lost.
+
+        Only ids older than ``worker_timeout`` count, so that a dequeue still in
+        flight is not mistaken for a stray one.
+        """
+        horizon = time.time_ns() - int(self._worker_timeout * 1e9)
+        for pid in recorded:
+            if pid in self._held:
+                continue
+            ref = parse_process_id(pid)
+            if int(ref.token[:16], 16) < horizon and await _ops.stop(self._redis, self._keys, ref):
+                logger.warning(
+                    "returned stray process to its queue",
+                    extra={"worker_id": self._worker_id, "queue": ref.queue, "process_id": pid},
+                )
 
     async def _after_reconnect(self) -> None:
         await self.recheck_queues(dict.fromkeys(self._working, 1))
