@@ -307,3 +307,21 @@ async def test_async_with_hands_back_on_exit(
     assert await peer.get_tasks("jobs") == ["t"]
     assert await peer.get_workers() == []
     await peer.close()
+
+
+async def test_work_without_notification_is_found_within_an_interval(
+    make: Factory, client: Redis, prefix: str
+) -> None:
+    """Pub/sub is a hint: tasks pushed with no ``work`` message still get done."""
+    worker = make()
+    seen: list[str] = []
+
+    async def handler(process: Process) -> None:
+        seen.append(process.task)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: _working(worker, worker))
+        await client.rpush(f"{prefix}:q:{{jobs}}:tasks", "silent")  # no PUBLISH
+        await eventually(lambda: seen == ["silent"], within=2)
+        tg.cancel_scope.cancel()

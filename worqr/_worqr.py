@@ -71,7 +71,10 @@ class Worqr:
         subscriber: Redis | None = None,
     ) -> None:
         if not isinstance(redis, Redis):
-            raise TypeError(f"redis must be a redis.asyncio.Redis, not {type(redis).__name__}")
+            raise TypeError(
+                f"redis must be a redis.asyncio.Redis, not {type(redis).__name__}"
+                " (RedisCluster clients are not supported yet)"
+            )
         if subscriber is not None and not isinstance(subscriber, Redis):
             raise TypeError(
                 f"subscriber must be a redis.asyncio.Redis, not {type(subscriber).__name__}"
