@@ -254,26 +254,40 @@ def parse_failed(record: bytes | str) -> FailedTask:
 async def dequeue(r: Client, keys: Keys, worker_id: str, queue: str) -> Process | None:
     """Move the task at the head of the queue into a new process of this worker.
 
-    Keys: tasks (LIST), p:<id> (LIST), held:<w> (SET), holders (SET).
-      1. MULTI
-      2. LMOVE tasks p:<id> LEFT RIGHT  -> the task, or nil when the queue is empty
-      3. SADD held:<w> <id>
-      4. SADD holders <w>
-      5. EXEC
-      6. (queue was empty) SREM held:<w> <id>
-    The SADDs cannot be made conditional on the LMOVE inside MULTI, so an empty
-    dequeue withdraws its id in step 6; an id left behind by a crash there names no
-    process list and is dropped by the next reclaim of the worker.
+    Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET), holders (SET).
+      1. WATCH p:<id>
+      2. MULTI
+      3. LMOVE tasks p:<id> LEFT RIGHT  -> the task, or nil when the queue is empty
+      4. SADD held:<w> <id>
+      5. SADD holders <w>
+      6. EXEC
+      7. (queue was empty) SREM held:<w> <id>
+    Only this call writes the new p:<id>, so the WATCH never sees a rival; it is there
+    so that a connection lost around EXEC raises instead of letting the client resend
+    the block (a resend would move a second task into the same process). After such
+    a loss, LINDEX p:<id> 0 tells whether the first EXEC took effect: then the process
+    is adopted. The SADDs cannot be conditional on the LMOVE inside MULTI, so an empty
+    dequeue withdraws its id in step 7; an id left behind by a crash there names no
+    process list and goes with the worker's next reclaim.
     """
     ref = new_process_id(worker_id, queue)
-    held = keys.held(queue, worker_id)
+    proc, held = keys.process(queue, ref.id), keys.held(queue, worker_id)
     async with r.pipeline(transaction=True) as pipe:
-        pipe.execute_command(
-            "LMOVE", keys.tasks(queue), keys.process(queue, ref.id), "LEFT", "RIGHT"
-        )
-        pipe.execute_command("SADD", held, ref.id)
-        pipe.execute_command("SADD", keys.holders(queue), worker_id)
-        task, _, _ = await pipe.execute()
+        for _ in range(_MAX_ATTEMPTS):
+            try:
+                await pipe.watch(proc)
+                pipe.multi()
+                pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
+                pipe.execute_command("SADD", held, ref.id)
+                pipe.execute_command("SADD", keys.holders(queue), worker_id)
+                task, _, _ = await pipe.execute()
+                break
+            except WatchError:
+                applied = await call(r, "LINDEX", proc, 0)
+                if applied is not None:
+                    return Process(ref.id, text(applied), queue)
+        else:
+            raise BackendError(f"gave up dequeuing from {queue!r} after {_MAX_ATTEMPTS} tries")
     if task is None:
         await call(r, "SREM", held, ref.id)
         return None
@@ -603,19 +617,20 @@ async def touch_worker(
     list the processes Redis records under this worker, per queue.
 
     Re-adding is idempotent and heals an entry a racing peer removed just after
-    this worker re-registered.
-      1. SADD workers <w>;  SADD w:queues queue...
+    this worker re-registered, or a queue registration lost to a racing delete.
+      1. SADD workers <w>;  SADD w:queues queue...;  SADD queues queue...
       2. LLEN tasks;  SMEMBERS held:<w>      (per queue)
     """
     async with r.pipeline(transaction=False) as pipe:
         pipe.execute_command("SADD", keys.workers, worker_id)
         if queues:
             pipe.execute_command("SADD", keys.worker_queues(worker_id), *queues)
+            pipe.execute_command("SADD", keys.queues, *queues)
         for queue in queues:
             pipe.execute_command("LLEN", keys.tasks(queue))
             pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
         replies = await pipe.execute()
-    per_queue = replies[2 if queues else 1 :]
+    per_queue = replies[3 if queues else 1 :]
     return [
         (int(waiting), [text(pid) for pid in held])
         for waiting, held in zip(per_queue[::2], per_queue[1::2], strict=True)

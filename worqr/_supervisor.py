@@ -66,9 +66,10 @@ class Supervisor:
         self._cleanup_interval = cleanup_interval
         self._last_refresh = time.monotonic()
 
-    def refreshed(self) -> None:
-        """Note a successful heartbeat or registration."""
-        self._last_refresh = time.monotonic()
+    def refreshed(self, sent_at: float | None = None) -> None:
+        """Note a successful heartbeat or registration, dated when it was sent: the
+        server's TTL runs from then, so the local deadline must not start later."""
+        self._last_refresh = time.monotonic() if sent_at is None else sent_at
 
     def overdue(self) -> bool:
         """True when the heartbeat has not been refreshed within ``worker_timeout``."""
@@ -90,6 +91,7 @@ class Supervisor:
         while True:
             await anyio.sleep(self._heartbeat_interval)
             stalled = self.overdue()
+            sent_at = time.monotonic()
             try:
                 if host.leases_lost():
                     await host.recover_leases()
@@ -105,7 +107,7 @@ class Supervisor:
             elif stalled:
                 await host.lose_leases("heartbeat not refreshed within worker_timeout")
             else:
-                self.refreshed()
+                self.refreshed(sent_at)
 
     async def _cleanup_loop(self) -> None:
         host, keys = self._host, self._keys
