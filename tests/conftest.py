@@ -3,7 +3,6 @@ shared fakeredis server; each test gets a fresh key prefix."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -13,19 +12,15 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Worqr
-from worqr._embedded import EmbeddedServer
+from worqr._embedded import redis_url_or_embedded
 
 from .helpers import FAST, Factory
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    url = os.environ.get("REDIS_URL")
-    if url:
+    with redis_url_or_embedded() as url:
         yield url
-        return
-    with EmbeddedServer() as server:
-        yield server.url
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -12,6 +13,16 @@ from redis.asyncio import Redis
 from worqr import Process, Worqr
 
 from .helpers import Factory, eventually
+
+
+def holding(started: anyio.Event) -> Callable[[Process], Awaitable[None]]:
+    """A handler that signals ``started`` and then holds its task until cancelled."""
+
+    async def handler(process: Process) -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    return handler
 
 
 async def test_handlers_finish_with_their_result(make: Factory) -> None:
@@ -168,9 +179,7 @@ async def test_returns_when_queue_is_deleted(make: Factory) -> None:
     worker, producer = make(), make()
     started = anyio.Event()
 
-    async def handler(process: Process) -> None:
-        started.set()
-        await anyio.sleep_forever()
+    handler = holding(started)
 
     await producer.enqueue("jobs", "t")
     with anyio.fail_after(5):
@@ -186,9 +195,7 @@ async def test_returns_on_stop_work_and_hands_tasks_back(make: Factory) -> None:
     worker = make()
     started = anyio.Event()
 
-    async def handler(process: Process) -> None:
-        started.set()
-        await anyio.sleep_forever()
+    handler = holding(started)
 
     await worker.enqueue("jobs", ["a", "b", "c"])
     with anyio.fail_after(5):
@@ -203,9 +210,7 @@ async def test_caller_cancellation_hands_running_tasks_back_to_front(make: Facto
     worker = make()
     started = anyio.Event()
 
-    async def handler(process: Process) -> None:
-        started.set()
-        await anyio.sleep_forever()
+    handler = holding(started)
 
     await worker.enqueue("jobs", ["a", "b", "c"])
     async with anyio.create_task_group() as tg:
@@ -291,9 +296,7 @@ async def test_async_with_hands_back_on_exit(
 ) -> None:
     started = anyio.Event()
 
-    async def handler(process: Process) -> None:
-        started.set()
-        await anyio.sleep_forever()
+    handler = holding(started)
 
     peer = Worqr(real_client, prefix=prefix)
     await peer.enqueue("jobs", "t")

@@ -4,19 +4,16 @@ peers finish them. Runs against REDIS_URL if set, else an embedded server."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 
 import anyio
 
-from ._embedded import EmbeddedServer
+from ._embedded import redis_url_or_embedded
 from ._models import Process
 from ._worqr import Worqr
 
@@ -42,16 +39,6 @@ async def _peer(url: str, prefix: str, name: str) -> None:
 
     async with _connect(url, prefix) as worqr:
         await worqr.consume(QUEUE, handler, concurrency=2)
-
-
-@contextlib.contextmanager
-def _server() -> Iterator[str]:
-    url = os.environ.get("REDIS_URL")
-    if url:
-        yield url
-        return
-    with EmbeddedServer() as server:
-        yield server.url
 
 
 def _spawn(url: str, prefix: str, number: int) -> subprocess.Popen[str]:
@@ -135,7 +122,7 @@ async def _run(url: str) -> int:
 
 def run_demo() -> int:
     """Run the demo; 0 when every task was done."""
-    with _server() as url:
+    with redis_url_or_embedded() as url:
         return anyio.run(_run, url)
 
 

@@ -8,6 +8,7 @@ module needs no Redis client.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -17,7 +18,7 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -283,6 +284,17 @@ class EmbeddedServer:
         with self._log.open("rb") as log:
             log.seek(offset)
             return log.read().decode(errors="replace")
+
+
+@contextlib.contextmanager
+def redis_url_or_embedded() -> Iterator[str]:
+    """``REDIS_URL`` if it is set, else the URL of an embedded server run for the block."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    with EmbeddedServer() as server:
+        yield server.url
 
 
 def _tail(text: str) -> str:

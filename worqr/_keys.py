@@ -30,7 +30,7 @@ class Keys:
 
     @property
     def supervision_lease(self) -> str:
-        """STRING (PX cleanup_interval): the worker running the fleet-wide scan now."""
+        """STRING (PX 0.85 x cleanup_interval): the worker running the fleet-wide scan now."""
         return f"{self.prefix}:supervisor"
 
     # -- per worker ----------------------------------------------------------------
