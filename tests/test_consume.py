@@ -328,3 +328,37 @@ async def test_work_without_notification_is_found_within_an_interval(
         await client.rpush(f"{prefix}:q:{{jobs}}:tasks", "silent")  # no PUBLISH
         await eventually(lambda: seen == ["silent"], within=2)
         tg.cancel_scope.cancel()
+
+
+async def test_cancelling_one_consume_leaves_the_other_working(make: Factory) -> None:
+    worker, producer = make(), make()
+    seen: list[str] = []
+
+    async def handler(process: Process) -> None:
+        seen.append(process.task)
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: _working(producer, worker))
+        async with anyio.create_task_group() as inner:
+            inner.start_soon(worker.consume, "jobs", handler)
+            await anyio.sleep(0.05)
+            inner.cancel_scope.cancel()
+        await producer.enqueue("jobs", "after")
+        await eventually(lambda: seen == ["after"])
+        assert await producer.get_working_queues(worker.worker_id) == ["jobs"]
+        outer.cancel_scope.cancel()
+
+
+async def test_process_taken_away_from_a_live_worker_is_reported_lost(make: Factory) -> None:
+    worker, peer = make(), make()
+    lost: list[str] = []
+    await worker.on("jobs", lambda kind, message: lost.append(message) if kind == "lost" else None)
+    await worker.start_worker()
+    await worker.start_work("jobs")
+    await worker.enqueue("jobs", "t")
+    process = await worker.dequeue("jobs")
+    assert process is not None
+    assert await peer.finish_process(process.id)  # gone from Redis behind its back
+    await eventually(lambda: lost == [process.id], within=3)
+    assert worker.worker_id in await peer.get_workers()  # no lease was lost

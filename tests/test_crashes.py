@@ -156,3 +156,46 @@ async def test_operations_fail_clearly_while_server_is_down(server: EmbeddedServ
         await worqr.enqueue("jobs", "t3")
         assert "t3" in await worqr.get_tasks("jobs")
         assert os.environ.get("REDIS_URL") != server.url
+
+
+async def test_delete_missed_while_the_subscriber_was_away_still_ends_consume(
+    server: EmbeddedServer, raw: Redis
+) -> None:
+    async with (
+        Worqr.from_url(server.url, prefix="missed", **FAST) as worker,
+        Worqr.from_url(server.url, prefix="missed", **FAST) as producer,
+    ):
+
+        async def handler(process: Process) -> None:
+            return None
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker.consume, "jobs", handler)
+                await eventually(lambda: _working_on(producer, worker))
+                await raw.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                await producer.delete_queue("jobs")  # published while nobody listens
+
+
+async def _working_on(producer: Worqr, worker: Worqr) -> bool:
+    return await producer.get_working_queues(worker.worker_id) == ["jobs"]
+
+
+async def test_close_while_waiting_for_a_subscription_does_not_hang(
+    server: EmbeddedServer,
+) -> None:
+    from worqr import ClosedError
+
+    worqr = Worqr.from_url(server.url, prefix="closing", **FAST)
+    await worqr.start_worker()
+    server.kill()  # the subscription can never be confirmed
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+
+            async def start() -> None:
+                with pytest.raises(ClosedError):
+                    await worqr.start_work("jobs")
+
+            tg.start_soon(start)
+            await anyio.sleep(0.2)
+            await worqr.close()

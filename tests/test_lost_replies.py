@@ -3,6 +3,7 @@ commands on connection errors (redis-py's default for ``Redis(...)``)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,7 +11,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from worqr import Worqr
+from worqr import BackendUnavailableError, Worqr
 from worqr._embedded import EmbeddedServer
 
 from .helpers import FAST, raw_keys
@@ -65,9 +66,25 @@ async def test_finish_whose_reply_was_lost_ends_the_process_once(
         process = await worqr.dequeue("jobs")
         assert process is not None
         proxy.lose_next_exec_reply()
-        await worqr.finish_process(process)  # True or False: the process is gone either way
+        # The outcome is unknown to the caller; the process is gone either way.
+        with contextlib.suppress(BackendUnavailableError):
+            await worqr.finish_process(process)
         state = await raw_keys(direct, "lossy2")
         assert not [key for key in state if ":p:" in key or ":held:" in key]
         assert state["lossy2:q:{jobs}:tasks"] == ["t2"]
+    finally:
+        await worqr.close()
+
+
+async def test_unique_enqueue_whose_reply_was_lost_does_not_claim_a_duplicate(
+    proxied: tuple[LossyProxy, Redis, Redis],
+) -> None:
+    proxy, resending, direct = proxied
+    worqr = Worqr(resending, prefix="lossy3", **FAST)
+    try:
+        proxy.lose_next_exec_reply()
+        with pytest.raises(BackendUnavailableError, match="may or may not"):
+            await worqr.enqueue("jobs", "u", unique=True)
+        assert await direct.lrange("lossy3:q:{jobs}:tasks", 0, -1) == ["u"]
     finally:
         await worqr.close()

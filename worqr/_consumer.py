@@ -48,6 +48,8 @@ class Consumer:
         self._idle = anyio.Event()
         self._idle.set()
         self._taking = True
+        self._dequeuing = False
+        self._cancelled_meanwhile: set[str] = set()
         self.reason: str | None = None
 
     # -- signals (synchronous, called from event hooks and the facade) -----------------
@@ -57,6 +59,8 @@ class Consumer:
         if kind == "work":
             self._wake.set()
         elif kind == "cancel":
+            if self._dequeuing:  # the dequeue in flight may return it
+                self._cancelled_meanwhile.add(message)
             for process, _ in list(self._running.values()):
                 if process.task == message:
                     self._end(process.id, "cancelled")
@@ -101,6 +105,10 @@ class Consumer:
                                 with anyio.CancelScope(shield=True):
                                     await self._host.settle(process, "requeue", None)
                                 break
+                            if process.task in self._cancelled_meanwhile:
+                                with anyio.CancelScope(shield=True):
+                                    await self._host.settle(process, "cancelled", None)
+                                continue
                             self._start(tg, process)
                         backoff = 0.05
                     except BackendError as exc:
@@ -120,9 +128,13 @@ class Consumer:
     async def _take(self) -> Process | None:
         """Dequeue, shielded: a cancellation arriving mid-command must not leave a
         process taken in Redis that this consumer does not know about."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_TAKE_LIMIT):
-            return await self._host.take(self.queue)
-        return None
+        self._dequeuing, self._cancelled_meanwhile = True, set()
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_TAKE_LIMIT):
+                return await self._host.take(self.queue)
+            return None
+        finally:
+            self._dequeuing = False
 
     def _start(self, tg: anyio.abc.TaskGroup, process: Process) -> None:
         scope = anyio.CancelScope()

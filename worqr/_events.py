@@ -13,10 +13,13 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import anyio
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ._errors import BackendUnavailableError, ClosedError
 from ._keys import Keys
 from ._models import Listener
 from ._ops import text
@@ -28,6 +31,19 @@ Hook = Callable[[str, str], None]
 
 _POLL = 0.05
 _MAX_BACKOFF = 2.0
+_SETTLE_LIMIT = 10.0
+
+
+def _pool_without_retries(client: Redis) -> ConnectionPool:
+    """A pool like the client's, whose connections never retry.
+
+    redis-py would otherwise reconnect and resubscribe silently, and the subscriber
+    could not know that it may have missed messages; without retries the loss
+    surfaces here and the re-check after a reconnect runs.
+    """
+    pool = client.connection_pool
+    options = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+    return ConnectionPool(connection_class=pool.connection_class, **options)
 
 
 class Subscribed:
@@ -49,7 +65,7 @@ class Events:
     def __init__(
         self, client: Redis, keys: Keys, on_reconnect: Callable[[], Awaitable[None]]
     ) -> None:
-        self._client = client
+        self._pool = _pool_without_retries(client)
         self._keys = keys
         self._on_reconnect = on_reconnect
         self._listeners: dict[str, list[Listener]] = {}
@@ -59,6 +75,7 @@ class Events:
         self._changed: anyio.Event | None = None
         self._settled: dict[str, anyio.Event] = {}
         self._queue_of: dict[str, str] = {}
+        self._closed = False
 
     # -- registration ------------------------------------------------------------------
 
@@ -103,10 +120,29 @@ class Events:
         return self._pinned | self._listeners.keys() | self._hooks.keys()
 
     async def settled(self, queue: str) -> None:
-        """Wait until the server-side subscription of ``queue`` matches what is wanted."""
-        while (queue in self._wanted()) != (queue in self._confirmed):
-            event = self._settled.setdefault(queue, anyio.Event())
-            await event.wait()
+        """Wait until the server-side subscription of ``queue`` matches what is wanted.
+
+        Raises `ClosedError` if the events close meanwhile, and
+        `BackendUnavailableError` if Redis does not confirm within a bounded time.
+        """
+        with anyio.move_on_after(_SETTLE_LIMIT):
+            while (queue in self._wanted()) != (queue in self._confirmed):
+                if self._closed:
+                    raise ClosedError("this Worqr is closed")
+                event = self._settled.setdefault(queue, anyio.Event())
+                await event.wait()
+            return
+        raise BackendUnavailableError(
+            f"Redis did not confirm the subscription of {queue!r} within {_SETTLE_LIMIT:g} s"
+        )
+
+    async def close(self) -> None:
+        """Release every waiter and the subscriber's connections."""
+        self._closed = True
+        for event in self._settled.values():
+            event.set()
+        self._settled.clear()
+        await self._pool.aclose()
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -139,7 +175,7 @@ class Events:
         backoff = 0.05
         reconnecting = False
         while True:
-            pubsub = self._client.pubsub()
+            pubsub = PubSub(self._pool)
             try:
                 await self._serve(pubsub, reconnecting)
             except (RedisError, OSError) as exc:

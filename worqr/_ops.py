@@ -15,9 +15,11 @@ from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from ._errors import BackendError, DuplicateTaskError, redis_boundary
+from ._errors import BackendError, BackendUnavailableError, DuplicateTaskError, redis_boundary
 from ._keys import Keys
 from ._models import FailedTask, Process
 from ._names import ProcessRef, new_process_id, parse_process_id
@@ -51,7 +53,9 @@ async def _optimistic(
 
     Returns the body's value and EXEC's replies (empty when the body wrote nothing).
     The body is re-run when a watched key changed before EXEC. Contention is bounded:
-    after many conflicts in a row the operation gives up with a `BackendError`.
+    after many conflicts in a row the operation gives up with a `BackendError`. A
+    connection lost while watching (redis-py reports it as a WatchError rather than
+    resending) is not re-run: the outcome is unknown, so `BackendUnavailableError`.
     """
     async with r.pipeline(transaction=True) as pipe:
         for _ in range(_MAX_ATTEMPTS):
@@ -62,7 +66,12 @@ async def _optimistic(
                     await pipe.reset()
                     return result, []
                 return result, await pipe.execute()
-            except WatchError:
+            except WatchError as exc:
+                if isinstance(exc.__context__, RedisConnectionError | RedisTimeoutError):
+                    raise BackendUnavailableError(
+                        "connection lost while a transaction was in flight; "
+                        "it may or may not have been applied"
+                    ) from exc
                 continue
     raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {watch[0]}")
 
@@ -145,14 +154,16 @@ async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
     """Delete a queue with everything in it: queued, in-process and failed tasks, marks.
 
     WATCH is needed so that a process dequeued meanwhile is deleted too, not orphaned.
-    Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, queues.
-      1. WATCH holders;  SMEMBERS holders            -> workers
-      2. WATCH held:<w>...;  SMEMBERS held:<w>...     -> process ids
-      3. MULTI
-      4. DEL tasks failed unique holders held:<w>... p:<id>...
-      5. PUBLISH events delete:
-      6. EXEC                                         -> nil: back to 1
-      7. SREM queues queue
+    The registry entry goes first: an enqueue racing the delete then either lands
+    before the transaction (and is deleted) or re-registers the queue after it.
+    Keys: queues, holders, held:<w>..., p:<id>..., tasks, failed, unique.
+      1. SREM queues queue
+      2. WATCH holders;  SMEMBERS holders            -> workers
+      3. WATCH held:<w>;  SMEMBERS held:<w>           (per worker)  -> process ids
+      4. MULTI
+      5. DEL tasks failed unique holders held:<w>... p:<id>...
+      6. PUBLISH events delete:
+      7. EXEC                                         -> nil: back to 2
     """
 
     async def body(pipe: Pipeline) -> None:
@@ -167,22 +178,22 @@ async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
         pipe.execute_command("DEL", *doomed)
         pipe.execute_command("PUBLISH", keys.events(queue), event("delete"))
 
-    await _optimistic(r, [keys.holders(queue)], body)
     await call(r, "SREM", keys.queues, queue)
+    await _optimistic(r, [keys.holders(queue)], body)
 
 
 @redis_boundary
 async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> int:
     """Move the oldest ``limit`` (default all) failed tasks to the back of the queue.
 
-    Keys: failed (LIST of JSON records), tasks (LIST), queues (SET).
-      1. WATCH failed;  LRANGE failed 0 limit-1      -> records
-      2. MULTI
-      3. LTRIM failed <n> -1
-      4. RPUSH tasks task...
-      5. PUBLISH events work:<n>
-      6. EXEC                                         -> nil: back to 1
-      7. SADD queues queue
+    Keys: queues (SET), failed (LIST of JSON records), tasks (LIST).
+      1. SADD queues queue
+      2. WATCH failed;  LRANGE failed 0 limit-1      -> records (none: UNWATCH, 0)
+      3. MULTI
+      4. LTRIM failed <n> -1
+      5. RPUSH tasks task...
+      6. PUBLISH events work:<n>
+      7. EXEC                                         -> nil: back to 2
     """
 
     async def body(pipe: Pipeline) -> int:
@@ -199,9 +210,8 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
 
     if limit is not None and limit <= 0:
         return 0
+    await call(r, "SADD", keys.queues, queue)
     moved, _ = await _optimistic(r, [keys.failed(queue)], body)
-    if moved:
-        await call(r, "SADD", keys.queues, queue)
     return moved
 
 
@@ -212,6 +222,15 @@ async def failed_tasks(r: Client, keys: Keys, queue: str) -> list[FailedTask]:
     1. LRANGE failed 0 -1
     """
     return [parse_failed(record) for record in await call(r, "LRANGE", keys.failed(queue), 0, -1)]
+
+
+@redis_boundary
+async def registered(r: Client, keys: Keys, queues: Sequence[str]) -> list[bool]:
+    """Whether each queue is in the registry (a deleted queue is not).
+
+    1. SMISMEMBER queues queue...
+    """
+    return [bool(flag) for flag in await call(r, "SMISMEMBER", keys.queues, *queues)]
 
 
 @redis_boundary
@@ -617,20 +636,19 @@ async def touch_worker(
     list the processes Redis records under this worker, per queue.
 
     Re-adding is idempotent and heals an entry a racing peer removed just after
-    this worker re-registered, or a queue registration lost to a racing delete.
-      1. SADD workers <w>;  SADD w:queues queue...;  SADD queues queue...
+    this worker re-registered.
+      1. SADD workers <w>;  SADD w:queues queue...
       2. LLEN tasks;  SMEMBERS held:<w>      (per queue)
     """
     async with r.pipeline(transaction=False) as pipe:
         pipe.execute_command("SADD", keys.workers, worker_id)
         if queues:
             pipe.execute_command("SADD", keys.worker_queues(worker_id), *queues)
-            pipe.execute_command("SADD", keys.queues, *queues)
         for queue in queues:
             pipe.execute_command("LLEN", keys.tasks(queue))
             pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
         replies = await pipe.execute()
-    per_queue = replies[3 if queues else 1 :]
+    per_queue = replies[2 if queues else 1 :]
     return [
         (int(waiting), [text(pid) for pid in held])
         for waiting, held in zip(per_queue[::2], per_queue[1::2], strict=True)

@@ -38,7 +38,7 @@ class Host(Protocol):
 
     async def recheck_queues(self, waiting: dict[str, int]) -> None: ...
 
-    async def audit_processes(self, recorded: list[str]) -> None: ...
+    async def audit_processes(self, recorded: list[str], read_at_ns: int) -> None: ...
 
     def working_queues(self) -> list[str]: ...
 
@@ -120,8 +120,10 @@ class Supervisor:
                 if await _ops.acquire_supervision(self._client, keys, host.worker_id, lease_ms):
                     await host.cleanup_workers()
                 queues = host.working_queues()
+                read_at_ns = time.time_ns()
                 found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
-                await host.audit_processes([pid for _, held in found for pid in held])
+                recorded = [pid for _, held in found for pid in held]
+                await host.audit_processes(recorded, read_at_ns)
                 waiting = [count for count, _ in found]
                 await host.recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -209,6 +208,7 @@ class Worqr:
             self._runner_scope.cancel()
         if self._runner is not None:
             await self._runner
+        await self._events.close()
         for client in self._owned:
             await client.aclose()
 
@@ -371,6 +371,8 @@ class Worqr:
         await _ops.register_worker(
             self._redis, self._keys, self._worker_id, supervisor.timeout_ms, ()
         )
+        if self._closed:
+            raise ClosedError("this Worqr was closed while its worker started")
         self._lost = False
         self._beat = supervisor
         scope = self._supervisor = anyio.CancelScope()
@@ -512,26 +514,45 @@ class Worqr:
             if count:
                 await self._events.poke(queue, "work", str(count))
 
-    async def audit_processes(self, recorded: list[str]) -> None:
-        """Stop (back to the front) processes Redis records under this worker that this
-        peer does not know of, e.g. a dequeue retried after its reply was lost.
+    async def audit_processes(self, recorded: list[str], read_at_ns: int) -> None:
+        """Reconcile the processes Redis records under this worker with the ones this
+        peer holds: unknown ones (a dequeue whose reply was lost) go back to the front,
+        and known ones Redis no longer records (reclaimed by a peer that took this
+        worker for dead) are reported ``lost`` so that their handlers stop.
 
-        Only ids older than ``worker_timeout`` count, so that a dequeue still in
-        flight is not mistaken for a stray one.
+        Only ids older than ``worker_timeout`` before the read count, so that a
+        dequeue or finish in flight is not mistaken for either.
         """
-        horizon = time.time_ns() - int(self._worker_timeout * 1e9)
+        horizon = read_at_ns - int(self._worker_timeout * 1e9)
+        present = set(recorded)
+        for pid, process in list(self._held.items()):
+            ref = parse_process_id(pid)
+            if pid not in present and process.queue in self._working and _age(ref) < horizon:
+                del self._held[pid]
+                await self._events.dispatch(process.queue, "lost", pid)
         for pid in recorded:
             if pid in self._held:
                 continue
             ref = parse_process_id(pid)
-            if int(ref.token[:16], 16) < horizon and await _ops.stop(self._redis, self._keys, ref):
+            if _age(ref) < horizon and await _ops.stop(self._redis, self._keys, ref):
                 logger.warning(
                     "returned stray process to its queue",
                     extra={"worker_id": self._worker_id, "queue": ref.queue, "process_id": pid},
                 )
 
     async def _after_reconnect(self) -> None:
-        await self.recheck_queues(dict.fromkeys(self._working, 1))
+        """Messages may have been missed while the subscriber was away: wake the
+        consumers, and end those whose queue was deleted meanwhile."""
+        queues = list(self._working)
+        if not queues:
+            return
+        try:
+            registered = await _ops.registered(self._redis, self._keys, queues)
+        except BackendError as exc:
+            logger.warning("re-check after reconnect failed: %s", exc)
+            return
+        for queue, present in zip(queues, registered, strict=True):
+            await self._events.poke(queue, "work" if present else "delete", "1" if present else "")
 
     # -- events ------------------------------------------------------------------------
 
@@ -592,7 +613,8 @@ class Worqr:
         finally:
             self._consumers.discard(consumer)
             self._events.remove_hook(queue, consumer.hook)
-            if started_here and consumer.reason in (None, "deleted") and not self._closed:
+            alone = not any(other.queue == queue for other in self._consumers)
+            if started_here and alone and consumer.reason in (None, "deleted") and not self._closed:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await self._quietly(self.stop_work(queue))
 
@@ -600,6 +622,11 @@ class Worqr:
         """Apply a handler's outcome to its process, retrying while Redis is away
         (for at most ``worker_timeout``: after that the lease is lost anyway)."""
         ref = parse_process_id(process.id)
+        if await self._fenced(ref):  # reported lost with the rest of the worker's leases
+            return
+        # Forgotten before Redis is asked: if Redis stays away too long, the audit
+        # finds the process recorded under this live worker and returns it.
+        self._held.pop(process.id, None)
         action: Callable[[], Awaitable[object]]
         if outcome == "finish":
             action = lambda: self.finish_process(process, detail)  # noqa: E731
@@ -610,7 +637,6 @@ class Worqr:
         elif outcome == "requeue":
             action = lambda: self.stop_process(process)  # noqa: E731
         else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
-            self._held.pop(process.id, None)
             return
         epoch, backoff = self._epoch, 0.05
         with anyio.move_on_after(self._worker_timeout):
@@ -640,3 +666,8 @@ class Worqr:
             await work
         except BackendError as exc:
             logger.warning("cleanup step failed: %s", exc, extra={"worker_id": self._worker_id})
+
+
+def _age(ref: ProcessRef) -> int:
+    """When a process was dequeued, in Unix nanoseconds (its token's time part)."""
+    return int(ref.token[:16], 16)
