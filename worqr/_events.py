@@ -19,7 +19,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from ._errors import BackendUnavailableError, ClosedError
+from ._errors import (
+    AuthenticationFailedError,
+    BackendError,
+    BackendUnavailableError,
+    ClosedError,
+    PermissionDeniedError,
+    translate,
+)
 from ._keys import Keys
 from ._models import Listener
 from ._ops import text
@@ -76,6 +83,7 @@ class Events:
         self._settled: dict[str, anyio.Event] = {}
         self._queue_of: dict[str, str] = {}
         self._closed = False
+        self._refused: BackendError | None = None
 
     # -- registration ------------------------------------------------------------------
 
@@ -129,6 +137,8 @@ class Events:
             while (queue in self._wanted()) != (queue in self._confirmed):
                 if self._closed:
                     raise ClosedError("this Worqr is closed")
+                if self._refused is not None:
+                    raise self._refused
                 event = self._settled.setdefault(queue, anyio.Event())
                 await event.wait()
             return
@@ -179,6 +189,12 @@ class Events:
             try:
                 await self._serve(pubsub, reconnecting)
             except (RedisError, OSError) as exc:
+                if isinstance(exc, RedisError):
+                    failure = translate(exc)
+                    if isinstance(failure, AuthenticationFailedError | PermissionDeniedError):
+                        self._refused = failure  # waiters learn why, instead of waiting
+                        for event in self._settled.values():
+                            event.set()
                 logger.warning("event subscriber lost its connection (%s); reconnecting", exc)
                 self._lose_confirmations()
                 reconnecting = True
@@ -235,6 +251,7 @@ class Events:
         if queue is None:
             return
         if kind == "subscribe":
+            self._refused = None
             self._confirmed.add(queue)
         elif kind == "unsubscribe":
             self._confirmed.discard(queue)

@@ -135,8 +135,15 @@ class Worqr:
     # -- lifetime ------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Check the connection and credentials (a clear `BackendError` subclass now,
+        rather than a retry loop later), then start the event subscriber."""
+        await self._check_connection()
         await self._ensure_running()
         return self
+
+    @redis_boundary
+    async def _check_connection(self) -> None:
+        await call(self._redis, "PING")
 
     async def __aexit__(
         self,
