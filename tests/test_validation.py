@@ -144,6 +144,9 @@ async def test_wrong_types_for_processes_and_results(make: Factory) -> None:
         ({"prefix": "a{b}"}, ValueError),
         ({"prefix": 3}, TypeError),
         ({"subscriber": "redis://"}, TypeError),
+        ({"quarantine_after": 0}, ValueError),
+        ({"quarantine_after": 2.5}, TypeError),
+        ({"quarantine_after": True}, TypeError),
     ],
 )
 def test_bad_options(client: Redis, options: dict[str, Any], error: type[Exception]) -> None:

@@ -57,6 +57,10 @@ class Keys:
         """SET of tasks holding a unique mark (enqueued with unique=True, not yet done)."""
         return f"{self.prefix}:q:{{{queue}}}:unique"
 
+    def deaths(self, queue: str) -> str:
+        """HASH of SHA-1(task) -> how often a worker died while running that task."""
+        return f"{self.prefix}:q:{{{queue}}}:deaths"
+
     def holders(self, queue: str) -> str:
         """SET of worker ids that may hold processes of this queue (for reclaim)."""
         return f"{self.prefix}:q:{{{queue}}}:holders"

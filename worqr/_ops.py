@@ -8,9 +8,11 @@ single-key commands ordered so that a crash between them loses nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
@@ -134,18 +136,20 @@ async def enqueue_unique(r: Client, keys: Keys, queue: str, tasks: Sequence[str]
 async def cancel(r: Client, keys: Keys, queue: str, task: str) -> int:
     """Remove every queued copy of a task and release its unique mark.
 
-    Keys: tasks (LIST), unique (SET).
+    Keys: tasks (LIST), unique (SET), deaths (HASH).
       1. MULTI
       2. LREM tasks 0 task              -> number removed
       3. SREM unique task
-      4. PUBLISH events cancel:<task>   (running copies are the handlers' to stop)
-      5. EXEC
+      4. HDEL deaths <sha1>
+      5. PUBLISH events cancel:<task>   (running copies are the handlers' to stop)
+      6. EXEC
     """
     async with r.pipeline(transaction=True) as pipe:
         pipe.execute_command("LREM", keys.tasks(queue), 0, task)
         pipe.execute_command("SREM", keys.unique(queue), task)
+        pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
         pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", task))
-        removed, _, _ = await pipe.execute()
+        removed, _, _, _ = await pipe.execute()
     return int(removed)
 
 
@@ -161,7 +165,7 @@ async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
       2. WATCH holders;  SMEMBERS holders            -> workers
       3. WATCH held:<w>;  SMEMBERS held:<w>           (per worker)  -> process ids
       4. MULTI
-      5. DEL tasks failed unique holders held:<w>... p:<id>...
+      5. DEL tasks failed unique deaths holders held:<w>... p:<id>...
       6. PUBLISH events delete:
       7. EXEC                                         -> nil: back to 2
     """
@@ -169,7 +173,13 @@ async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
     async def body(pipe: Pipeline) -> None:
         workers = [text(w) for w in await call(pipe, "SMEMBERS", keys.holders(queue))]
         held = [keys.held(queue, w) for w in workers]
-        doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.holders(queue)]
+        doomed = [
+            keys.tasks(queue),
+            keys.failed(queue),
+            keys.unique(queue),
+            keys.deaths(queue),
+            keys.holders(queue),
+        ]
         for held_key in held:
             await pipe.watch(held_key)
             pids = await call(pipe, "SMEMBERS", held_key)
@@ -326,8 +336,9 @@ async def _end_process(
       3. DEL p:<id>
       4. SREM held:<w> <id>
       5. SREM unique task
-      6. ...the caller's writes
-      7. EXEC                             -> nil: back to 1
+      6. HDEL deaths <sha1>               (the task ended: its death count goes)
+      7. ...the caller's writes
+      8. EXEC                             -> nil: back to 1
     """
     proc = keys.process(ref.queue, ref.id)
 
@@ -340,6 +351,7 @@ async def _end_process(
         pipe.execute_command("DEL", proc)
         pipe.execute_command("SREM", keys.held(ref.queue, ref.worker_id), ref.id)
         pipe.execute_command("SREM", keys.unique(ref.queue), task)
+        pipe.execute_command("HDEL", keys.deaths(ref.queue), digest(task))
         queue_writes(pipe, task)
         return task
 
@@ -405,43 +417,123 @@ async def stop(r: Client, keys: Keys, ref: ProcessRef) -> str | None:
     return None if task is None else text(task)
 
 
+@dataclass(frozen=True, slots=True)
+class Reclaimed:
+    """What a reclaim did with a worker's processes in one queue."""
+
+    returned: list[str]
+    """Tasks back at the front of the queue, in their original order."""
+    quarantined: list[str]
+    """Tasks moved to the failed list: their holders died too often while running them."""
+
+
 @redis_boundary
-async def reclaim(r: Client, keys: Keys, queue: str, worker_id: str) -> list[str]:
+async def reclaim(
+    r: Client, keys: Keys, queue: str, worker_id: str, *, quarantine_after: int | None = None
+) -> Reclaimed:
     """Return every process a worker holds in a queue to the FRONT, oldest first.
 
     WATCH is needed: a process dequeued, finished or reclaimed by a racing peer
     between the read and EXEC aborts the transaction, so no task is duplicated or
     dropped. Idempotent: a second reclaim finds nothing.
-    Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET).
+
+    With ``quarantine_after`` (the worker died), each task's death count goes up; a
+    task whose holders died that many times goes to the failed list instead, so that
+    a poison pill cannot crash-loop the fleet. Counts are per task string (its SHA-1).
+    Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET); with
+    quarantine also deaths (HASH), failed (LIST), unique (SET).
       1. WATCH held:<w>;  SMEMBERS held:<w>     -> ids, sorted newest first
-      2. MULTI
-      3. LMOVE p:<id> tasks RIGHT LEFT          (per id; the oldest ends at the head)
-      4. DEL held:<w>
-      5. SREM holders <w>
-      6. PUBLISH events work:<n>                (if there were ids)
-      7. EXEC                                   -> nil: back to 1
+      2. (quarantine) LINDEX p:<id> 0 ...;  HMGET deaths <sha1>...   (one round trip each)
+      3. MULTI
+      4. per id, newest first:
+           LMOVE p:<id> tasks RIGHT LEFT;  (quarantine) HINCRBY deaths <sha1> 1
+         or, for a task at its limit:
+           DEL p:<id>;  RPUSH failed <record>;  HDEL deaths <sha1>;  SREM unique task
+      5. DEL held:<w>
+      6. SREM holders <w>
+      7. PUBLISH events work:<returned>         (if any returned)
+      8. EXEC                                   -> nil: back to 1
     """
     held = keys.held(queue, worker_id)
 
-    async def body(pipe: Pipeline) -> int:
+    async def body(pipe: Pipeline) -> list[tuple[str, str | None]]:
         ids = sorted(
             (text(pid) for pid in await call(pipe, "SMEMBERS", held)),
             key=lambda pid: parse_process_id(pid).token,
             reverse=True,
         )
+        counts = await _death_counts(r, keys, queue, ids) if quarantine_after and ids else {}
+        plan: list[tuple[str, str | None]] = []  # what each group of replies belongs to
         pipe.multi()
         for pid in ids:
-            pipe.execute_command(
-                "LMOVE", keys.process(queue, pid), keys.tasks(queue), "RIGHT", "LEFT"
-            )
+            proc = keys.process(queue, pid)
+            task, deaths = counts.get(pid, (None, 0))
+            if task is not None and quarantine_after and deaths + 1 >= quarantine_after:
+                record = {
+                    "task": task,
+                    "error": f"quarantined: its worker died while running it {deaths + 1} times",
+                    "worker_id": worker_id,
+                    "failed_at": time.time(),
+                }
+                pipe.execute_command("DEL", proc)
+                pipe.execute_command("RPUSH", keys.failed(queue), json.dumps(record))
+                pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
+                pipe.execute_command("SREM", keys.unique(queue), task)
+                plan.append(("quarantined", task))
+                continue
+            pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
+            plan.append(("returned", None))
+            if task is not None:
+                pipe.execute_command("HINCRBY", keys.deaths(queue), digest(task), 1)
+                plan.append(("counted", None))
         pipe.execute_command("DEL", held)
         pipe.execute_command("SREM", keys.holders(queue), worker_id)
-        if ids:
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(ids))))
-        return len(ids)
+        back = sum(kind == "returned" for kind, _ in plan)
+        if back:
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(back)))
+        return plan
 
-    count, replies = await _optimistic(r, [held], body)
-    return [text(task) for task in replies[:count] if task is not None]
+    plan, replies = await _optimistic(r, [held], body)
+    returned: list[str] = []
+    quarantined: list[str] = []
+    position = 0
+    for kind, task in plan:
+        if kind == "returned" and replies[position] is not None:
+            returned.append(text(replies[position]))
+        elif kind == "quarantined" and task is not None:
+            quarantined.append(task)
+        position += 4 if kind == "quarantined" else 1
+    returned.reverse()  # moved newest first: report them in queue order
+    quarantined.reverse()
+    return Reclaimed(returned, quarantined)
+
+
+async def _death_counts(
+    r: Client, keys: Keys, queue: str, ids: Sequence[str]
+) -> dict[str, tuple[str, int]]:
+    """Each process's task and how often holders of that task died so far.
+
+    Read outside the transaction: the WATCH on the worker's held set already aborts
+    it if any of these processes changes.
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        for pid in ids:
+            pipe.execute_command("LINDEX", keys.process(queue, pid), 0)
+        raw_tasks = await pipe.execute()
+    tasks = {pid: text(raw) for pid, raw in zip(ids, raw_tasks, strict=True) if raw is not None}
+    if not tasks:
+        return {}
+    digests = [digest(task) for task in tasks.values()]
+    counts = await call(r, "HMGET", keys.deaths(queue), *digests)
+    return {
+        pid: (task, int(count or 0))
+        for (pid, task), count in zip(tasks.items(), counts, strict=True)
+    }
+
+
+def digest(task: str) -> str:
+    """The field under which a task's death count is kept (tasks may be megabytes)."""
+    return hashlib.sha1(task.encode()).hexdigest()
 
 
 @redis_boundary
@@ -538,7 +630,7 @@ async def stop_work(r: Client, keys: Keys, worker_id: str, queue: str) -> list[s
     """
     returned = await reclaim(r, keys, queue, worker_id)
     await call(r, "SREM", keys.worker_queues(worker_id), queue)
-    return returned
+    return returned.returned
 
 
 @redis_boundary
@@ -564,13 +656,19 @@ async def queues_held_by(r: Client, keys: Keys, worker_id: str) -> set[str]:
 
 @redis_boundary
 async def fail_worker(
-    r: Client, keys: Keys, worker_id: str, *, only_if_dead: bool
-) -> list[tuple[str, list[str]]] | None:
+    r: Client,
+    keys: Keys,
+    worker_id: str,
+    *,
+    only_if_dead: bool,
+    quarantine_after: int | None = None,
+) -> dict[str, Reclaimed] | None:
     """Return all of a worker's processes to the front of their queues and deregister it.
 
     With ``only_if_dead`` nothing happens (None) while the worker's heartbeat exists.
-    Each step is idempotent and the registry entry goes last, so a peer that crashes
-    midway leaves the worker listed for the next cleanup to finish.
+    ``quarantine_after`` is passed to `reclaim` when the worker died (not when it is
+    failed on purpose). Each step is idempotent and the registry entry goes last, so a
+    peer that crashes midway leaves the worker listed for the next cleanup to finish.
       1. EXISTS alive (only_if_dead)  |  DEL alive
       2. `queues_held_by` worker
       3. `reclaim` (queue, worker)    per queue
@@ -582,13 +680,13 @@ async def fail_worker(
             return None
     else:
         await call(r, "DEL", keys.heartbeat(worker_id))
-    returned = [
-        (queue, await reclaim(r, keys, queue, worker_id))
+    outcome = {
+        queue: await reclaim(r, keys, queue, worker_id, quarantine_after=quarantine_after)
         for queue in sorted(await queues_held_by(r, keys, worker_id))
-    ]
+    }
     await call(r, "DEL", keys.worker_queues(worker_id))
     await call(r, "SREM", keys.workers, worker_id)
-    return returned
+    return outcome
 
 
 @redis_boundary

@@ -68,6 +68,7 @@ class Worqr:
         worker_timeout: float = 3.0,
         cleanup_interval: float | None = None,
         subscriber: Redis | None = None,
+        quarantine_after: int | None = 3,
     ) -> None:
         if not isinstance(redis, Redis):
             raise TypeError(
@@ -90,6 +91,15 @@ class Worqr:
             if cleanup_interval is None
             else check_interval("cleanup_interval", cleanup_interval)
         )
+        if quarantine_after is not None and (
+            isinstance(quarantine_after, bool) or not isinstance(quarantine_after, int)
+        ):
+            raise TypeError(
+                f"quarantine_after must be an int or None, not {type(quarantine_after).__name__}"
+            )
+        if quarantine_after is not None and quarantine_after < 1:
+            raise ValueError(f"quarantine_after must be at least 1, got {quarantine_after}")
+        self._quarantine_after = quarantine_after
         self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._redis = redis
@@ -366,7 +376,7 @@ class Worqr:
         if self._supervisor is not None:
             return
         if self._explicit_id:
-            await _ops.fail_worker(self._redis, self._keys, self._worker_id, only_if_dead=False)
+            await self._fail_dead(self._worker_id, only_if_dead=False)
         supervisor = Supervisor(
             self,
             self._redis,
@@ -428,8 +438,8 @@ class Worqr:
         target = self._worker_id if worker_id is None else check_worker_id(worker_id)
         if target == self._worker_id:
             self._stop_worker("failed")
-        returned = await _ops.fail_worker(self._redis, self._keys, target, only_if_dead=False)
-        return sum(len(tasks) for _, tasks in returned or ())
+        outcome = await _ops.fail_worker(self._redis, self._keys, target, only_if_dead=False)
+        return sum(len(reclaimed.returned) for reclaimed in (outcome or {}).values())
 
     def _stop_worker(self, reason: str) -> None:
         for consumer in list(self._consumers):
@@ -445,21 +455,38 @@ class Worqr:
 
     async def cleanup_workers(self) -> list[str]:
         """Fail every worker whose heartbeat is gone (including workers known only as
-        holders of processes); returns their ids."""
+        holders of processes); returns their ids. Tasks whose holders died
+        ``quarantine_after`` times go to the failed list instead of back to the queue."""
         failed: list[str] = []
         for worker_id in await _ops.dead_workers(self._redis, self._keys):
             if worker_id == self._worker_id and self._supervisor is not None:
                 continue  # our own heartbeat loop fences and recovers
-            returned = await _ops.fail_worker(self._redis, self._keys, worker_id, only_if_dead=True)
-            if returned is not None:
+            if await self._fail_dead(worker_id, only_if_dead=True):
                 failed.append(worker_id)
-                logger.info(
-                    "reclaimed %d task(s) of dead worker %s",
-                    sum(len(tasks) for _, tasks in returned),
-                    worker_id,
-                    extra={"worker_id": self._worker_id},
-                )
         return failed
+
+    async def _fail_dead(self, worker_id: str, *, only_if_dead: bool) -> bool:
+        """Reclaim the processes of a worker that died, counting the deaths of their
+        tasks; False if it turned out to be alive."""
+        outcome = await _ops.fail_worker(
+            self._redis,
+            self._keys,
+            worker_id,
+            only_if_dead=only_if_dead,
+            quarantine_after=self._quarantine_after,
+        )
+        if outcome is None:
+            return False
+        for queue, reclaimed in outcome.items():
+            if reclaimed.returned or reclaimed.quarantined:
+                logger.info(
+                    "reclaimed %d task(s) of dead worker %s, quarantined %d",
+                    len(reclaimed.returned),
+                    worker_id,
+                    len(reclaimed.quarantined),
+                    extra={"worker_id": self._worker_id, "queue": queue},
+                )
+        return True
 
     @redis_boundary
     async def get_workers(self) -> list[str]:
@@ -501,7 +528,7 @@ class Worqr:
 
     async def recover_leases(self) -> None:
         """Hand back whatever is still recorded under this worker and register anew."""
-        await _ops.fail_worker(self._redis, self._keys, self._worker_id, only_if_dead=False)
+        await self._fail_dead(self._worker_id, only_if_dead=False)
         await _ops.register_worker(
             self._redis,
             self._keys,
