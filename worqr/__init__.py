@@ -1,5 +1,7 @@
 """worqr: a peer-supervised, reliable work queue for asyncio on Redis."""
 
+from ._check import CheckReport as CheckReport
+from ._check import Problem as Problem
 from ._errors import AuthenticationFailedError as AuthenticationFailedError
 from ._errors import BackendError as BackendError
 from ._errors import BackendUnavailableError as BackendUnavailableError
@@ -26,6 +28,7 @@ __all__ = [
     "AuthenticationFailedError",
     "BackendError",
     "BackendUnavailableError",
+    "CheckReport",
     "ClosedError",
     "DuplicateTaskError",
     "FailedTask",
@@ -36,6 +39,7 @@ __all__ = [
     "Listener",
     "NotWorkingError",
     "PermissionDeniedError",
+    "Problem",
     "Process",
     "ServerStartError",
     "Subscribed",

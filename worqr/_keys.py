@@ -76,3 +76,33 @@ class Keys:
     def events(self, queue: str) -> str:
         """Pub/sub channel of the queue's events, messages ``type:message``."""
         return f"{self.prefix}:q:{{{queue}}}:events"
+
+    # -- reading names back (the consistency check) ---------------------------------
+
+    @property
+    def everything(self) -> str:
+        """SCAN pattern of every key under the prefix (an admin path, never a hot one)."""
+        return f"{self.prefix}:*"
+
+    def parse(self, key: str) -> tuple[str, str, str] | None:
+        """``(kind, owner, rest)`` of a per-queue or per-worker key, None for others.
+
+        kind is the key's last word (``tasks``, ``failed``, ``unique``, ``deaths``,
+        ``holders``, ``held``, ``p``, ``alive``, ``queues``); owner is the queue or the
+        worker in the hash tag; rest is the worker of ``held`` or the id of ``p``.
+        """
+        for scope, kinds in (("q", _QUEUE_KEYS), ("w", _WORKER_KEYS)):
+            head = f"{self.prefix}:{scope}:{{"
+            if not key.startswith(head):
+                continue
+            owner, closed, tail = key[len(head) :].partition("}:")
+            if not closed:
+                return None
+            kind, _, rest = tail.partition(":")
+            if kind in kinds and (bool(rest) == (kind in ("held", "p"))):
+                return kind, owner, rest
+        return None
+
+
+_QUEUE_KEYS = frozenset({"tasks", "failed", "unique", "deaths", "holders", "held", "p"})
+_WORKER_KEYS = frozenset({"alive", "queues"})

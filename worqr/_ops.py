@@ -751,3 +751,105 @@ async def touch_worker(
         (int(waiting), [text(pid) for pid in held])
         for waiting, held in zip(per_queue[::2], per_queue[1::2], strict=True)
     ]
+
+
+# -- repairs (the consistency check) ------------------------------------------------------
+
+
+@redis_boundary
+async def dissolve_process(r: Client, keys: Keys, queue: str, process_id: str) -> int:
+    """Put every task of a process list back at the FRONT and forget the process: the
+    repair of a process list that no worker records or that holds other than one task.
+
+      1. WATCH p:<id>;  LLEN p:<id>               -> n (0: UNWATCH, done)
+      2. MULTI
+      3. LMOVE p:<id> tasks RIGHT LEFT            (n times: order kept)
+      4. SREM held:<w> <id>
+      5. PUBLISH events work:<n>
+      6. EXEC                                     -> nil: back to 1
+    """
+    ref = parse_process_id(process_id)
+    proc = keys.process(queue, process_id)
+
+    async def body(pipe: Pipeline) -> int:
+        count = int(await call(pipe, "LLEN", proc))
+        if not count:
+            return 0
+        pipe.multi()
+        for _ in range(count):
+            pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
+        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), process_id)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(count)))
+        return count
+
+    moved, _ = await _optimistic(r, [proc], body)
+    return moved
+
+
+@redis_boundary
+async def drop_process_id(r: Client, keys: Keys, queue: str, worker_id: str, pid: str) -> bool:
+    """Forget a recorded process id whose process list does not exist.
+
+    1. WATCH p:<id>;  EXISTS p:<id>             -> 1: UNWATCH, keep it
+    2. MULTI;  SREM held:<w> <id>;  EXEC
+    """
+    proc = keys.process(queue, pid)
+
+    async def body(pipe: Pipeline) -> bool:
+        if await call(pipe, "EXISTS", proc):
+            return False
+        pipe.multi()
+        pipe.execute_command("SREM", keys.held(queue, worker_id), pid)
+        return True
+
+    dropped, _ = await _optimistic(r, [proc], body)
+    return dropped
+
+
+@redis_boundary
+async def drop_holder(r: Client, keys: Keys, queue: str, worker_id: str) -> bool:
+    """Forget a worker as holder of a queue where it holds nothing.
+
+    1. WATCH held:<w>;  EXISTS held:<w>         -> 1: UNWATCH, keep it
+    2. MULTI;  SREM holders <w>;  EXEC
+    """
+    held = keys.held(queue, worker_id)
+
+    async def body(pipe: Pipeline) -> bool:
+        if await call(pipe, "EXISTS", held):
+            return False
+        pipe.multi()
+        pipe.execute_command("SREM", keys.holders(queue), worker_id)
+        return True
+
+    dropped, _ = await _optimistic(r, [held], body)
+    return dropped
+
+
+@redis_boundary
+async def drop_work_list(r: Client, keys: Keys, worker_id: str) -> bool:
+    """Delete the work list of a worker that is gone (no heartbeat).
+
+    1. WATCH alive;  EXISTS alive               -> 1: UNWATCH, keep it
+    2. MULTI;  DEL w:queues;  EXEC
+    """
+    alive = keys.heartbeat(worker_id)
+
+    async def body(pipe: Pipeline) -> bool:
+        if await call(pipe, "EXISTS", alive):
+            return False
+        pipe.multi()
+        pipe.execute_command("DEL", keys.worker_queues(worker_id))
+        return True
+
+    dropped, _ = await _optimistic(r, [alive], body)
+    return dropped
+
+
+@redis_boundary
+async def register(r: Client, registry: str, member: str) -> None:
+    """Add a missing registry entry (a live worker or a queue with tasks).
+
+    1. SADD <registry> <member>
+    """
+    await call(r, "SADD", registry, member)

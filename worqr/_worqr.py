@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from typing_extensions import Self
 
 from . import _ops
+from ._check import CheckReport, Problem, inspect
 from ._consumer import Consumer, Handler
 from ._errors import (
     BackendError,
@@ -487,6 +488,37 @@ class Worqr:
                     extra={"worker_id": self._worker_id, "queue": queue},
                 )
         return True
+
+    async def check(self, *, repair: bool = False) -> CheckReport:
+        """Find what breaks the invariants under this prefix: a process list no worker
+        records, a recorded process without its list, bookkeeping of dead workers,
+        registry entries missing. With ``repair``, fix each finding: stray tasks go
+        back to the front of their queue, dead workers' processes are reclaimed, and
+        dangling entries are dropped, each re-checked under WATCH before it is written.
+        """
+        problems = await inspect(self._redis, self._keys)
+        if repair:
+            for problem in problems:
+                await self._repair(problem)
+        return CheckReport(tuple(problems), repaired=repair)
+
+    async def _repair(self, problem: Problem) -> None:
+        r, keys = self._redis, self._keys
+        queue, worker_id, pid = problem.queue, problem.worker_id, problem.process_id
+        if problem.kind in ("orphan-process", "malformed-process") and queue and pid:
+            await _ops.dissolve_process(r, keys, queue, pid)
+        elif problem.kind == "dangling-process-id" and queue and worker_id and pid:
+            await _ops.drop_process_id(r, keys, queue, worker_id, pid)
+        elif problem.kind == "dead-worker" and worker_id:
+            await self._fail_dead(worker_id, only_if_dead=True)
+        elif problem.kind == "stale-holder" and queue and worker_id:
+            await _ops.drop_holder(r, keys, queue, worker_id)
+        elif problem.kind == "stale-work-list" and worker_id:
+            await _ops.drop_work_list(r, keys, worker_id)
+        elif problem.kind == "unregistered-worker" and worker_id:
+            await _ops.register(r, keys.workers, worker_id)
+        elif problem.kind == "unregistered-queue" and queue:
+            await _ops.register(r, keys.queues, queue)
 
     @redis_boundary
     async def get_workers(self) -> list[str]:
