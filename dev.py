@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one developer entry point: ``python3 dev.py {test,lint,demo,bench} [ARGS...]``.
+"""The one developer entry point: ``python3 dev.py {test,lint,demo,chaos} [ARGS...]``.
 
 It uses only the standard library, so a bare Python >= 3.10 can run it. It creates ``.venv``
 next to this file when missing and installs the project there (editable, with the ``dev``
@@ -24,7 +24,7 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   test   run pytest under coverage (ARGS go to pytest), then the coverage report
   lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
   demo   python -m worqr demo ARGS
-  bench  python -m benchmarks ARGS"""
+  chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)"""
 
 
 def run(*cmd: str | Path) -> int:
@@ -72,12 +72,12 @@ def demo(args: list[str]) -> int:
     return run(PYTHON, "-m", "worqr", "demo", *args)
 
 
-def bench(args: list[str]) -> int:
-    """Run the benchmarks."""
-    return run(PYTHON, "-m", "benchmarks", *args)
+def chaos(args: list[str]) -> int:
+    """Run the chaos harness: faults injected into a real fleet, then the accounting."""
+    return run(PYTHON, "-m", "benchmarks.chaos", *args)
 
 
-VERBS = {"test": test, "lint": lint, "demo": demo, "bench": bench}
+VERBS = {"test": test, "lint": lint, "demo": demo, "chaos": chaos}
 
 
 def main(argv: list[str]) -> int:
