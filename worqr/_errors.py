@@ -90,7 +90,7 @@ def translate(exc: redis.exceptions.RedisError) -> BackendError:
     """Map a redis-py error to the matching worqr error (the caller chains it)."""
     if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError):
         return AuthenticationFailedError(f"Redis rejected the credentials: {exc}")
-    if isinstance(exc, redis.exceptions.NoPermissionError):
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
         return PermissionDeniedError(f"Redis ACL denies this: {exc}")
     if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
         return BackendUnavailableError(f"Redis is unavailable: {exc}")
@@ -104,8 +104,6 @@ def redis_boundary(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T
     async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         try:
             return await fn(*args, **kwargs)
-        except redis.exceptions.WatchError:
-            raise
         except redis.exceptions.RedisError as exc:
             raise translate(exc) from exc
 
