@@ -199,3 +199,33 @@ async def test_close_while_waiting_for_a_subscription_does_not_hang(
             tg.start_soon(start)
             await anyio.sleep(0.2)
             await worqr.close()
+
+
+async def test_outage_longer_than_the_timeout_loses_the_leases(
+    server: EmbeddedServer, raw: Redis
+) -> None:
+    """Redis away for longer than worker_timeout: the worker fences itself (``lost``,
+    handler cancelled), re-registers when Redis is back, and the task runs again."""
+    runs: list[str] = []
+    lost: list[str] = []
+
+    async def handler(process: Process) -> str:
+        runs.append(process.id)
+        if len(runs) == 1:
+            await anyio.sleep_forever()  # held across the outage
+        return "ok"
+
+    async with Worqr.from_url(server.url, prefix="outage", **FAST) as worker:
+        worker.on("jobs", lambda kind, message: lost.append(message) if kind == "lost" else None)
+        await worker.enqueue("jobs", "t")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.consume, "jobs", handler)
+            await eventually(lambda: len(runs) == 1)
+            await anyio.to_thread.run_sync(server.stop)  # AOF is flushed on SIGTERM
+            await anyio.sleep(FAST["worker_timeout"] * 2)
+            await anyio.to_thread.run_sync(server.start)
+            await eventually(lambda: len(runs) == 2, within=15)
+            tg.cancel_scope.cancel()
+        assert lost == [runs[0]]
+        assert worker.worker_id in await worker.get_workers()
+    await eventually(lambda: _no_process_state(raw, "outage"))
