@@ -26,6 +26,11 @@ class Process:
         """The worker holding this process."""
         return parse_process_id(self.id).worker_id
 
+    @property
+    def dequeued_at(self) -> float:
+        """Unix time of the dequeue, by the dequeuing worker's clock."""
+        return parse_process_id(self.id).dequeued_at
+
 
 @dataclass(frozen=True, slots=True)
 class FailedTask:

@@ -122,6 +122,11 @@ class ProcessRef:
     def id(self) -> str:
         return f"{self.worker_id}/{self.token}/{self.queue}"
 
+    @property
+    def dequeued_at(self) -> float:
+        """Unix time of the dequeue, by the dequeuing worker's clock."""
+        return int(self.token[:16], 16) / 1e9
+
 
 def new_process_id(worker_id: str, queue: str) -> ProcessRef:
     """A fresh, unique, time-ordered process id of ``worker_id`` in ``queue``."""

@@ -537,16 +537,17 @@ def digest(task: str) -> str:
 
 
 @redis_boundary
-async def matching_processes(r: Client, keys: Keys, task: str) -> list[str]:
-    """Ids of every in-process copy of ``task``, in every queue, held by any worker.
+async def processes(r: Client, keys: Keys, queues: Sequence[str] | None = None) -> list[Process]:
+    """Every process of the given queues (default: every registered queue), oldest first.
 
     A read-only walk, O(queues + workers + processes):
-      1. SMEMBERS queues
+      1. SMEMBERS queues               (without ``queues``)
       2. SMEMBERS holders              (per queue, one round trip)
       3. SMEMBERS held:<w>             (per holder, one round trip)
       4. LINDEX p:<id> 0               (per process, one round trip)
     """
-    queues = [text(q) for q in await call(r, "SMEMBERS", keys.queues)]
+    if queues is None:
+        queues = sorted(text(q) for q in await call(r, "SMEMBERS", keys.queues))
     async with r.pipeline(transaction=False) as pipe:
         for queue in queues:
             pipe.execute_command("SMEMBERS", keys.holders(queue))
@@ -564,9 +565,9 @@ async def matching_processes(r: Client, keys: Keys, task: str) -> list[str]:
             pipe.execute_command("LINDEX", keys.process(ref.queue, ref.id), 0)
         tasks = await pipe.execute()
     return [
-        ref.id
-        for ref, found in zip(candidates, tasks, strict=True)
-        if found is not None and text(found) == task
+        Process(ref.id, text(task), ref.queue)
+        for ref, task in zip(candidates, tasks, strict=True)
+        if task is not None
     ]
 
 

@@ -344,7 +344,13 @@ class Worqr:
 
     async def get_matching_processes(self, task: str) -> list[str]:
         """Ids of every in-process copy of ``task``, in any queue, held by any worker."""
-        return await _ops.matching_processes(self._redis, self._keys, check_task(task))
+        check_task(task)
+        return [p.id for p in await _ops.processes(self._redis, self._keys) if p.task == task]
+
+    async def get_processes(self, queue: str | None = None) -> list[Process]:
+        """Every process of a queue (default: of every queue), oldest first."""
+        queues = None if queue is None else [check_queue(queue)]
+        return await _ops.processes(self._redis, self._keys, queues)
 
     def _ref(self, process: Process | str) -> ProcessRef:
         return parse_process_id(process.id if isinstance(process, Process) else process)
@@ -589,18 +595,21 @@ class Worqr:
         Only ids older than ``worker_timeout`` before the read count, so that a
         dequeue or finish in flight is not mistaken for either.
         """
-        horizon = read_at_ns - int(self._worker_timeout * 1e9)
+        horizon = (read_at_ns / 1e9) - self._worker_timeout
         present = set(recorded)
         for pid, process in list(self._held.items()):
-            ref = parse_process_id(pid)
-            if pid not in present and process.queue in self._working and _age(ref) < horizon:
+            if (
+                pid not in present
+                and process.queue in self._working
+                and process.dequeued_at < horizon
+            ):
                 del self._held[pid]
                 await self._events.dispatch(process.queue, "lost", pid)
         for pid in recorded:
             if pid in self._held:
                 continue
             ref = parse_process_id(pid)
-            if _age(ref) < horizon and await _ops.stop(self._redis, self._keys, ref):
+            if ref.dequeued_at < horizon and await _ops.stop(self._redis, self._keys, ref):
                 logger.warning(
                     "returned stray process to its queue",
                     extra={"worker_id": self._worker_id, "queue": ref.queue, "process_id": pid},
@@ -732,8 +741,3 @@ class Worqr:
             await work
         except BackendError as exc:
             logger.warning("cleanup step failed: %s", exc, extra={"worker_id": self._worker_id})
-
-
-def _age(ref: ProcessRef) -> int:
-    """When a process was dequeued, in Unix nanoseconds (its token's time part)."""
-    return int(ref.token[:16], 16)
