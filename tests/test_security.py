@@ -39,7 +39,7 @@ APP_PASSWORD = "app-secret"
 WORQR_COMMANDS = (
     "ping", "sadd", "srem", "smembers", "sismember", "smismember",
     "rpush", "lmove", "lrem", "lrange", "lindex", "llen", "ltrim",
-    "hmget", "hincrby", "hdel", "del", "exists", "set",
+    "hmget", "hincrby", "hdel", "del", "exists", "set", "get",
     "watch", "unwatch", "multi", "exec", "publish", "subscribe", "unsubscribe",
 )  # fmt: skip
 """Every command worqr sends as its ACL user, each one needed: the rule in
@@ -360,7 +360,11 @@ def _denied(what: str) -> str:
 async def test_prefix_outside_the_key_pattern_is_denied(secured: Secured) -> None:
     url = await secured.add_user()
     with anyio.fail_after(10):
-        async with open_worqr(url, "other") as worqr:
+        with pytest.raises(PermissionDeniedError, match=_denied("key")):
+            async with open_worqr(url, "other"):
+                pass  # refused on entry: the protocol check touches other:protocol
+        worqr = open_worqr(url, "other")  # not entered: each call is refused by itself
+        try:
             with pytest.raises(PermissionDeniedError, match=_denied("key")):
                 await worqr.enqueue("jobs", "a")
             with pytest.raises(PermissionDeniedError, match=_denied("key")):
@@ -369,7 +373,10 @@ async def test_prefix_outside_the_key_pattern_is_denied(secured: Secured) -> Non
                 await worqr.start_worker()
             with pytest.raises(PermissionDeniedError, match=_denied("channel")):
                 await worqr.on("jobs", Recorder().listener("jobs"))
+        finally:
+            await worqr.close()
     refused = {(entry["reason"], entry["object"]) for entry in await secured.denials()}
+    assert ("key", "other:protocol") in refused
     assert ("key", "other:queues") in refused
     assert ("channel", "other:q:{jobs}:events") in refused
     assert all(reason in ("key", "channel") for reason, _ in refused)

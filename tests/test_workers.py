@@ -84,6 +84,7 @@ async def test_fail_worker_returns_all_in_order_and_deregisters(
     assert await peer.get_workers() == []
     state = await raw_keys(client, prefix)
     assert sorted(state) == [
+        f"{prefix}:protocol",
         f"{prefix}:q:{{a}}:tasks",
         f"{prefix}:q:{{b}}:tasks",
         f"{prefix}:queues",

@@ -13,6 +13,7 @@ from ._errors import InvalidTaskError as InvalidTaskError
 from ._errors import InvalidWorkerIdError as InvalidWorkerIdError
 from ._errors import NotWorkingError as NotWorkingError
 from ._errors import PermissionDeniedError as PermissionDeniedError
+from ._errors import ProtocolVersionError as ProtocolVersionError
 from ._errors import ServerStartError as ServerStartError
 from ._errors import WorkerNotStartedError as WorkerNotStartedError
 from ._errors import WorqrError as WorqrError
@@ -20,6 +21,8 @@ from ._events import Subscribed as Subscribed
 from ._models import FailedTask as FailedTask
 from ._models import Listener as Listener
 from ._models import Process as Process
+from ._models import QueueStatistics as QueueStatistics
+from ._models import WorkerInfo as WorkerInfo
 from ._worqr import Worqr as Worqr
 
 __version__ = "0.1.0"
@@ -41,8 +44,11 @@ __all__ = [
     "PermissionDeniedError",
     "Problem",
     "Process",
+    "ProtocolVersionError",
+    "QueueStatistics",
     "ServerStartError",
     "Subscribed",
+    "WorkerInfo",
     "WorkerNotStartedError",
     "Worqr",
     "WorqrError",

@@ -12,6 +12,7 @@
     ├── DuplicateTaskError
     ├── ClosedError
     ├── ServerStartError
+    ├── ProtocolVersionError
     └── BackendError
         ├── BackendUnavailableError
         ├── AuthenticationFailedError
@@ -68,6 +69,10 @@ class ClosedError(WorqrError):
 
 class ServerStartError(WorqrError):
     """Raised when an embedded Redis server cannot be found or started."""
+
+
+class ProtocolVersionError(WorqrError):
+    """Raised when the data under a prefix was written with another protocol version."""
 
 
 class BackendError(WorqrError):

@@ -29,6 +29,11 @@ class Keys:
         return f"{self.prefix}:workers"
 
     @property
+    def protocol(self) -> str:
+        """STRING: the version of this key layout and message format (see docs/protocol.md)."""
+        return f"{self.prefix}:protocol"
+
+    @property
     def supervision_lease(self) -> str:
         """STRING (PX 0.85 x cleanup_interval): the worker running the fleet-wide scan now."""
         return f"{self.prefix}:supervisor"

@@ -41,3 +41,35 @@ class FailedTask:
     worker_id: str
     failed_at: float
     """Unix time, by the failing worker's clock (for display only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A registered worker as seen from Redis."""
+
+    id: str
+    queues: tuple[str, ...]
+    in_process: int
+    heartbeat_age: float | None
+    """Seconds since its last heartbeat (by this host's clock), None if it has none."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatistics:
+    """A snapshot of one queue: fleet-wide counts from Redis, and what this `Worqr` did
+    with the queue since it was created."""
+
+    queue: str
+    queued: int
+    in_process: int
+    failed: int
+    workers: int
+    """Workers working on the queue."""
+    completed_here: int
+    """Processes this `Worqr` finished since it was created."""
+    failed_here: int
+    """Processes this `Worqr` moved to the failed list since it was created."""
+    duration_p50: float | None
+    """Dequeue-to-finish seconds of this `Worqr`'s recent processes, median."""
+    duration_p90: float | None
+    duration_p99: float | None

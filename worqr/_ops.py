@@ -23,7 +23,7 @@ from redis.exceptions import WatchError
 
 from ._errors import BackendError, BackendUnavailableError, DuplicateTaskError, redis_boundary
 from ._keys import Keys
-from ._models import FailedTask, Process
+from ._models import FailedTask, Process, WorkerInfo
 from ._names import ProcessRef, new_process_id, parse_process_id
 
 _T = TypeVar("_T")
@@ -854,3 +854,78 @@ async def register(r: Client, registry: str, member: str) -> None:
     1. SADD <registry> <member>
     """
     await call(r, "SADD", registry, member)
+
+
+# -- inspection ---------------------------------------------------------------------------
+
+PROTOCOL_VERSION = "1"
+
+
+@redis_boundary
+async def claim_protocol(r: Client, keys: Keys) -> str:
+    """Record this protocol version under the prefix unless one is there; return the
+    version found.
+
+      1. SET protocol 1 NX
+      2. GET protocol
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("SET", keys.protocol, PROTOCOL_VERSION, "NX")
+        pipe.execute_command("GET", keys.protocol)
+        _, found = await pipe.execute()
+    return text(found)
+
+
+@redis_boundary
+async def workers(r: Client, keys: Keys) -> list[WorkerInfo]:
+    """Every registered worker with its queues, process count and heartbeat age.
+
+    1. SMEMBERS workers
+    2. GET alive;  SMEMBERS w:queues         (per worker, one round trip)
+    3. `processes` of all queues
+    """
+    ids = sorted(text(w) for w in await call(r, "SMEMBERS", keys.workers))
+    async with r.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.execute_command("GET", keys.heartbeat(worker_id))
+            pipe.execute_command("SMEMBERS", keys.worker_queues(worker_id))
+        replies = await pipe.execute()
+    held: dict[str, int] = {}
+    for process in await processes(r, keys):
+        held[process.worker_id] = held.get(process.worker_id, 0) + 1
+    now = time.time()
+    return [
+        WorkerInfo(
+            worker_id,
+            tuple(sorted(text(q) for q in queues)),
+            held.get(worker_id, 0),
+            None if beat is None else max(0.0, now - float(text(beat))),
+        )
+        for worker_id, beat, queues in zip(ids, replies[::2], replies[1::2], strict=True)
+    ]
+
+
+@redis_boundary
+async def queue_counts(r: Client, keys: Keys, queue: str) -> tuple[int, int, int, int]:
+    """Queued, in-process and failed tasks of a queue, and the workers working on it.
+
+    1. LLEN tasks;  LLEN failed;  SMEMBERS holders;  SMEMBERS workers
+    2. SCARD held:<w> (per holder);  SISMEMBER w:queues queue (per worker)
+    """
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.execute_command("LLEN", keys.tasks(queue))
+        pipe.execute_command("LLEN", keys.failed(queue))
+        pipe.execute_command("SMEMBERS", keys.holders(queue))
+        pipe.execute_command("SMEMBERS", keys.workers)
+        queued, failed, holders, listed = await pipe.execute()
+    holder_ids = [text(w) for w in holders]
+    worker_ids = [text(w) for w in listed]
+    async with r.pipeline(transaction=False) as pipe:
+        for worker_id in holder_ids:
+            pipe.execute_command("SCARD", keys.held(queue, worker_id))
+        for worker_id in worker_ids:
+            pipe.execute_command("SISMEMBER", keys.worker_queues(worker_id), queue)
+        replies = await pipe.execute()
+    in_process = sum(int(n) for n in replies[: len(holder_ids)])
+    working = sum(bool(flag) for flag in replies[len(holder_ids) :])
+    return int(queued), in_process, int(failed), working

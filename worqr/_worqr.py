@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -26,12 +28,13 @@ from ._errors import (
     BackendError,
     ClosedError,
     NotWorkingError,
+    ProtocolVersionError,
     WorkerNotStartedError,
     redis_boundary,
 )
 from ._events import Events, Subscribed
 from ._keys import Keys
-from ._models import FailedTask, Listener, Process
+from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo
 from ._names import (
     ProcessRef,
     check_interval,
@@ -49,6 +52,7 @@ from ._supervisor import Supervisor
 logger = logging.getLogger("worqr")
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
+_RECENT = 1000  # dequeue-to-finish times kept per queue for statistics()
 
 
 class Worqr:
@@ -119,6 +123,9 @@ class Worqr:
         self._lost = False
         self._epoch = 0
         self._closed = False
+        self._completed: Counter[str] = Counter()
+        self._failed_here: Counter[str] = Counter()
+        self._durations: dict[str, deque[float]] = {}
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
@@ -148,13 +155,22 @@ class Worqr:
     async def __aenter__(self) -> Self:
         """Check the connection and credentials (a clear `BackendError` subclass now,
         rather than a retry loop later), then start the event subscriber."""
-        await self._check_connection()
-        await self._ensure_running()
+        try:
+            await self._check_connection()
+            await self._ensure_running()
+        except BaseException:
+            await self.close()  # no __aexit__ follows a failed __aenter__
+            raise
         return self
 
-    @redis_boundary
     async def _check_connection(self) -> None:
-        await call(self._redis, "PING")
+        """Credentials first, then the protocol version of the data under the prefix."""
+        found = await _ops.claim_protocol(self._redis, self._keys)
+        if found != _ops.PROTOCOL_VERSION:
+            raise ProtocolVersionError(
+                f"the data under prefix {self.prefix!r} uses protocol {found!r}; this "
+                f"worqr speaks protocol {_ops.PROTOCOL_VERSION!r}"
+            )
 
     async def __aexit__(
         self,
@@ -330,6 +346,7 @@ class Worqr:
             return False
         task = await _ops.finish(self._redis, self._keys, ref, result)
         self._held.pop(ref.id, None)
+        self._note(ref, self._completed, task)
         return task is not None
 
     async def stop_process(self, process: Process | str) -> bool:
@@ -346,6 +363,36 @@ class Worqr:
         """Ids of every in-process copy of ``task``, in any queue, held by any worker."""
         check_task(task)
         return [p.id for p in await _ops.processes(self._redis, self._keys) if p.task == task]
+
+    async def get_worker_info(self) -> list[WorkerInfo]:
+        """Every registered worker: its queues, its process count, its heartbeat age."""
+        return await _ops.workers(self._redis, self._keys)
+
+    async def statistics(self, queue: str) -> QueueStatistics:
+        """A frozen snapshot of a queue: counts across the fleet, plus what this peer
+        finished and failed since it was created, with its recent dequeue-to-finish
+        times (median, 90th and 99th percentile, over the last 1,000 processes)."""
+        check_queue(queue)
+        queued, in_process, failed, workers = await _ops.queue_counts(
+            self._redis, self._keys, queue
+        )
+        times = sorted(self._durations.get(queue, ()))
+
+        def pick(fraction: float) -> float | None:
+            return times[min(len(times) - 1, int(len(times) * fraction))] if times else None
+
+        return QueueStatistics(
+            queue,
+            queued,
+            in_process,
+            failed,
+            workers,
+            self._completed[queue],
+            self._failed_here[queue],
+            pick(0.5),
+            pick(0.9),
+            pick(0.99),
+        )
 
     async def get_processes(self, queue: str | None = None) -> list[Process]:
         """Every process of a queue (default: of every queue), oldest first."""
@@ -382,6 +429,7 @@ class Worqr:
         tg = await self._ensure_running()
         if self._supervisor is not None:
             return
+        await self._check_connection()
         if self._explicit_id:
             await self._fail_dead(self._worker_id, only_if_dead=False)
         supervisor = Supervisor(
@@ -734,7 +782,17 @@ class Worqr:
             return False
         task = await _ops.fail(self._redis, self._keys, ref, error)
         self._held.pop(ref.id, None)
+        self._note(ref, self._failed_here, task)
         return task is not None
+
+    def _note(self, ref: ProcessRef, counter: Counter[str], task: str | None) -> None:
+        """Count a process this peer ended, and keep its dequeue-to-end time."""
+        if task is None:
+            return
+        counter[ref.queue] += 1
+        if ref.worker_id == self._worker_id:
+            recent = self._durations.setdefault(ref.queue, deque(maxlen=_RECENT))
+            recent.append(max(0.0, time.time() - ref.dequeued_at))
 
     async def _quietly(self, work: Awaitable[object]) -> None:
         try:
