@@ -1,0 +1,424 @@
+"""The ``worqr`` command line: inspect, act on and work queues from a terminal.
+
+Exit codes: 0 success; 1 the operation failed (Redis unreachable, refused, a check
+that found problems, an unknown queue); 2 usage (bad arguments, a malformed URL or
+name). Errors are one line on stderr; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TextIO
+
+import anyio
+
+from ._errors import WorqrError
+from ._names import check_queue
+from ._worqr import Worqr
+
+DEFAULT_URL = "redis://localhost:6379/0"
+OK, FAILED, USAGE = 0, 1, 2
+
+
+class CommandError(Exception):
+    """A verb's operation failed for a reason the user should read (exit code 1)."""
+
+
+Verb = Callable[[Worqr, argparse.Namespace, TextIO], Awaitable[int]]
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """Left-aligned columns for people (numbers right-aligned)."""
+    cells = [list(header), *([_cell(value) for value in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    numeric = [all(_is_number(row[i]) for row in rows) and rows for i in range(len(header))]
+    lines = []
+    for row in cells:
+        parts = [
+            cell.rjust(width) if numeric[i] else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    if isinstance(value, str):
+        return value.encode("unicode_escape").decode() if not value.isprintable() else value
+    return str(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def emit(out: TextIO, args: argparse.Namespace, data: Any, text: str) -> None:
+    """Print ``data`` as JSON with ``--json``, else ``text``."""
+    if getattr(args, "json", False):
+        print(json.dumps(data, ensure_ascii=False), file=out)
+    elif text:
+        print(text, file=out)
+
+
+async def known_queue(worqr: Worqr, queue: str) -> str:
+    """``queue`` if the registry lists it; an unknown queue is an error (exit 1)."""
+    if check_queue(queue) not in await worqr.get_queues():
+        raise CommandError(f"unknown queue {queue!r}")
+    return queue
+
+
+# -- read verbs ---------------------------------------------------------------------------
+
+
+async def cmd_queues(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    stats = [await worqr.statistics(queue) for queue in await worqr.get_queues()]
+    data = [
+        {
+            "name": s.queue,
+            "queued": s.queued,
+            "in_process": s.in_process,
+            "failed": s.failed,
+            "workers": s.workers,
+        }
+        for s in stats
+    ]
+    rows = [[d["name"], d["queued"], d["in_process"], d["failed"], d["workers"]] for d in data]
+    emit(out, args, data, table(rows, ["QUEUE", "QUEUED", "IN PROCESS", "FAILED", "WORKERS"]))
+    return OK
+
+
+async def cmd_tasks(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    tasks = await worqr.get_tasks(await known_queue(worqr, args.queue))
+    if args.limit is not None:
+        tasks = tasks[: args.limit]
+    emit(out, args, tasks, "\n".join(_cell(task) for task in tasks))
+    return OK
+
+
+async def cmd_processes(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    queue = None if args.queue is None else await known_queue(worqr, args.queue)
+    now = time.time()
+    data = [
+        {
+            "id": p.id,
+            "worker_id": p.worker_id,
+            "queue": p.queue,
+            "task": p.task,
+            "age": round(max(0.0, now - p.dequeued_at), 3),
+        }
+        for p in await worqr.get_processes(queue)
+    ]
+    rows = [[d["id"], d["worker_id"], d["queue"], d["task"], d["age"]] for d in data]
+    emit(out, args, data, table(rows, ["ID", "WORKER", "QUEUE", "TASK", "AGE (S)"]))
+    return OK
+
+
+async def cmd_workers(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    workers = await worqr.get_worker_info()
+    data = [
+        {
+            "id": w.id,
+            "queues": list(w.queues),
+            "in_process": w.in_process,
+            "heartbeat_age": None if w.heartbeat_age is None else round(w.heartbeat_age, 3),
+        }
+        for w in workers
+    ]
+    rows = [[w.id, ",".join(w.queues), w.in_process, w.heartbeat_age] for w in workers]
+    emit(out, args, data, table(rows, ["WORKER", "QUEUES", "IN PROCESS", "HEARTBEAT AGE (S)"]))
+    return OK
+
+
+async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    failed = await worqr.get_failed(await known_queue(worqr, args.queue))
+    data = [
+        {"task": f.task, "error": f.error, "worker_id": f.worker_id, "failed_at": f.failed_at}
+        for f in failed
+    ]
+    rows = [[f.task, f.error, f.worker_id, _when(f.failed_at)] for f in failed]
+    emit(out, args, data, table(rows, ["TASK", "ERROR", "WORKER", "FAILED AT (UTC)"]))
+    return OK
+
+
+def _when(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(unix))
+
+
+async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    stats = [await worqr.statistics(queue) for queue in await worqr.get_queues()]
+    workers = await worqr.get_workers()
+    data = {
+        "queues": len(stats),
+        "workers": len(workers),
+        "queued": sum(s.queued for s in stats),
+        "in_process": sum(s.in_process for s in stats),
+        "failed": sum(s.failed for s in stats),
+    }
+    rows = [[name.replace("_", " "), value] for name, value in data.items()]
+    emit(out, args, data, table(rows, ["FLEET", "COUNT"]))
+    return OK
+
+
+# -- act verbs ----------------------------------------------------------------------------
+
+
+def _stdin_batches(stream: TextIO, size: int = 1000) -> Iterable[list[str]]:
+    batch: list[str] = []
+    for line in stream:
+        batch.append(line.rstrip("\n"))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+async def cmd_enqueue(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    if not args.tasks and not args.stdin:
+        raise argparse.ArgumentTypeError("give tasks, or --stdin to read one per line")
+    count = 0
+    if args.tasks:
+        await worqr.enqueue(args.queue, args.tasks, unique=args.unique)
+        count += len(args.tasks)
+    if args.stdin:
+        for batch in _stdin_batches(sys.stdin):
+            await worqr.enqueue(args.queue, batch, unique=args.unique)
+            count += len(batch)
+    emit(out, args, {"enqueued": count}, f"enqueued {count} task(s) on {args.queue!r}")
+    return OK
+
+
+async def cmd_cancel(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    removed = await worqr.cancel_tasks(await known_queue(worqr, args.queue), args.task)
+    emit(out, args, {"removed": removed}, f"cancelled {removed} queued cop(y/ies)")
+    return OK
+
+
+async def cmd_delete(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    await worqr.delete_queue(await known_queue(worqr, args.queue))
+    emit(out, args, {"deleted": args.queue}, f"deleted queue {args.queue!r}")
+    return OK
+
+
+async def cmd_retry(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    queue = await known_queue(worqr, args.queue)
+    moved = await worqr.retry_failed(queue, None if args.all else 1)
+    emit(out, args, {"retried": moved}, f"retried {moved} failed task(s) of {queue!r}")
+    return OK
+
+
+async def cmd_reclaim(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    before = {p.id: p for p in await worqr.get_processes()}
+    failed = await worqr.cleanup_workers()
+    returned = [p for p in before.values() if p.worker_id in failed]
+    data = {
+        "workers": failed,
+        "returned": [
+            {"queue": p.queue, "task": p.task, "worker_id": p.worker_id} for p in returned
+        ],
+    }
+    lines = [f"reclaimed {len(failed)} dead worker(s), {len(returned)} task(s)"]
+    lines += [f"  {p.queue}: {_cell(p.task)} (from {p.worker_id})" for p in returned]
+    emit(out, args, data, "\n".join(lines))
+    return OK
+
+
+async def cmd_check(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    report = await worqr.check(repair=args.repair)
+    data = {
+        "ok": report.ok,
+        "repaired": report.repaired,
+        "problems": [
+            {
+                "kind": p.kind,
+                "detail": p.detail,
+                "queue": p.queue,
+                "worker_id": p.worker_id,
+                "process_id": p.process_id,
+            }
+            for p in report.problems
+        ],
+    }
+    rows = [[p.kind, p.queue, p.worker_id, p.process_id, p.detail] for p in report.problems]
+    verdict = (
+        "ok: nothing breaks the invariants"
+        if report.ok
+        else f"{len(report.problems)} problem(s)" + (", repaired" if report.repaired else "")
+    )
+    text = verdict if report.ok else table(rows, ["KIND", "QUEUE", "WORKER", "PROCESS", "DETAIL"])
+    emit(out, args, data, text if report.ok else f"{text}\n{verdict}")
+    return OK if report.ok or report.repaired else FAILED
+
+
+async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    from ._run import serve
+
+    if not args.command:
+        raise argparse.ArgumentTypeError("give the COMMAND to run after --")
+    code: int = await serve(
+        worqr, args.queue, args.command, concurrency=args.concurrency, grace=args.grace
+    )
+    return code
+
+
+async def cmd_watch(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    from ._watch import watch
+
+    return await watch(worqr, out, interval=args.interval, iterations=args.iterations)
+
+
+# -- the parser and the boundary ------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    def options(defaults: bool) -> argparse.ArgumentParser:
+        """--url, --prefix, --debug: before or after the verb (after it they must not
+        reset what was given before, hence SUPPRESS)."""
+        common = argparse.ArgumentParser(add_help=False)
+        url = os.environ.get("REDIS_URL", DEFAULT_URL)
+        common.add_argument(
+            "--url",
+            default=url if defaults else argparse.SUPPRESS,
+            help=f"Redis URL (default: $REDIS_URL, else {DEFAULT_URL})",
+        )
+        common.add_argument(
+            "--prefix",
+            default="worqr" if defaults else argparse.SUPPRESS,
+            help="key prefix (default: worqr)",
+        )
+        common.add_argument(
+            "--debug",
+            action="store_true",
+            default=False if defaults else argparse.SUPPRESS,
+            help="log debug lines and print tracebacks",
+        )
+        return common
+
+    common = options(defaults=False)
+    reading = argparse.ArgumentParser(add_help=False)
+    reading.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    top = argparse.ArgumentParser(prog="worqr", description=__doc__, parents=[options(True)])
+    verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, handler: Verb, help_text: str, *, json_out: bool = True) -> Any:
+        sub = verbs.add_parser(
+            name, help=help_text, description=help_text, parents=[common, *([reading] * json_out)]
+        )
+        sub.set_defaults(handler=handler)
+        return sub
+
+    verb("queues", cmd_queues, "list queues: queued, in process, failed, workers")
+    verb("tasks", cmd_tasks, "list a queue's tasks, next first").add_argument("queue")
+    verbs.choices["tasks"].add_argument("--limit", type=count, help="show at most N")
+    verb("processes", cmd_processes, "list tasks in process").add_argument("queue", nargs="?")
+    verb("workers", cmd_workers, "list workers: queues, in process, heartbeat age")
+    verb("failed", cmd_failed, "list a queue's failed tasks").add_argument("queue")
+    verb("stats", cmd_stats, "fleet-wide counts")
+    enqueue = verb("enqueue", cmd_enqueue, "append tasks to a queue")
+    enqueue.add_argument("queue")
+    enqueue.add_argument("tasks", nargs="*", metavar="TASK")
+    enqueue.add_argument("--unique", action="store_true", help="refuse live duplicates")
+    enqueue.add_argument("--stdin", action="store_true", help="read one task per line")
+    cancel = verb("cancel", cmd_cancel, "remove every queued copy of a task, announce it")
+    cancel.add_argument("queue")
+    cancel.add_argument("task")
+    verb("delete", cmd_delete, "delete a queue and all its tasks").add_argument("queue")
+    retry = verb("retry", cmd_retry, "put the oldest failed task (or --all) back")
+    retry.add_argument("queue")
+    retry.add_argument("--all", action="store_true", help="retry every failed task")
+    verb("reclaim", cmd_reclaim, "run cleanup now; print what came back")
+    check = verb("check", cmd_check, "find what breaks the invariants (exit 1 if any)")
+    check.add_argument("--repair", action="store_true", help="fix what is found")
+    run = verb(
+        "run",
+        cmd_run,
+        "work a queue with any program: one child per task, task on stdin",
+        json_out=False,
+    )
+    run.add_argument("queue")
+    run.add_argument("--concurrency", type=count, default=1)
+    run.add_argument("--grace", type=seconds, default=10.0, help="seconds (default: 10)")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
+    watch = verb("watch", cmd_watch, "a live view of queues and workers", json_out=False)
+    watch.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes")
+    watch.add_argument("--iterations", type=count, help="stop after N refreshes")
+    verbs.add_parser("demo", help="three peers, one SIGKILLed: its tasks come back and finish")
+    return top
+
+
+def count(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return number
+
+
+def seconds(value: str) -> float:
+    number = float(value)
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return number
+
+
+async def _dispatch(args: argparse.Namespace) -> int:
+    worqr = Worqr.from_url(args.url, prefix=args.prefix)
+    async with worqr:
+        code: int = await args.handler(worqr, args, sys.stdout)
+        return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if "run" in arguments and "--" in arguments:  # everything after -- is the COMMAND
+        cut = arguments.index("--")
+        arguments, command = arguments[:cut], arguments[cut + 1 :]
+    else:
+        command = None
+    top = parser()
+    args, extra = top.parse_known_args(arguments)
+    if extra and args.verb == "enqueue" and not any(word.startswith("-") for word in extra):
+        args.tasks += extra  # tasks after an option: enqueue Q --unique T1 T2
+    elif extra:
+        top.error(f"unrecognized arguments: {' '.join(extra)}")
+    if command is not None:
+        args.command = command
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.verb == "demo":
+        from ._demo import run_demo
+
+        return run_demo()
+    try:
+        return anyio.run(_dispatch, args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:  # bad names, URL
+        return _fail(args, USAGE, exc)
+    except (CommandError, WorqrError) as exc:
+        return _fail(args, FAILED, exc)
+
+
+def _fail(args: argparse.Namespace, code: int, exc: BaseException) -> int:
+    if args.debug:
+        traceback.print_exception(exc)
+    print(f"worqr: error: {exc}", file=sys.stderr)
+    return code
