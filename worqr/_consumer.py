@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -10,9 +9,8 @@ from typing import Protocol
 import anyio
 
 from ._errors import BackendError
+from ._log import PeerLog
 from ._models import Process
-
-logger = logging.getLogger("worqr")
 
 Handler = Callable[[Process], Awaitable[str | None]]
 
@@ -37,8 +35,11 @@ class Consumer:
     cancelled `consume` -> back to the front of the queue.
     """
 
-    def __init__(self, host: Host, queue: str, handler: Handler, concurrency: int) -> None:
+    def __init__(
+        self, host: Host, queue: str, handler: Handler, concurrency: int, log: PeerLog
+    ) -> None:
         self.queue = queue
+        self._log = log
         self._host = host
         self._handler = handler
         self._concurrency = concurrency
@@ -112,7 +113,7 @@ class Consumer:
                             self._start(tg, process)
                         backoff = 0.05
                     except BackendError as exc:
-                        logger.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
+                        self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
                         with anyio.move_on_after(backoff):
                             await anyio.sleep(math.inf)
                         backoff = min(backoff * 2, _MAX_BACKOFF)
@@ -151,7 +152,7 @@ class Consumer:
                     raise TypeError(f"handler must return str or None, not {type(result).__name__}")
                 detail = result
         except Exception as exc:
-            logger.exception(
+            self._log.exception(
                 "handler failed", extra={"queue": process.queue, "process_id": process.id}
             )
             outcome, detail = "fail", f"{type(exc).__name__}: {exc}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
@@ -28,10 +27,9 @@ from ._errors import (
     translate,
 )
 from ._keys import Keys
+from ._log import PeerLog
 from ._models import Listener
 from ._ops import text
-
-logger = logging.getLogger("worqr")
 
 Hook = Callable[[str, str], None]
 """An internal, synchronous event hook (the consumers' wake-up and cancel path)."""
@@ -70,8 +68,13 @@ class Events:
     """Listener registry and the subscriber loop of one `Worqr`."""
 
     def __init__(
-        self, client: Redis, keys: Keys, on_reconnect: Callable[[], Awaitable[None]]
+        self,
+        client: Redis,
+        keys: Keys,
+        on_reconnect: Callable[[], Awaitable[None]],
+        log: PeerLog,
     ) -> None:
+        self._log = log
         self._pool = _pool_without_retries(client)
         self._keys = keys
         self._on_reconnect = on_reconnect
@@ -174,7 +177,7 @@ class Events:
                 if inspect.isawaitable(outcome):
                     await outcome
             except Exception:
-                logger.exception(
+                self._log.exception(
                     "event listener %r failed on %s event", listener, kind, extra={"queue": queue}
                 )
 
@@ -195,7 +198,7 @@ class Events:
                         self._refused = failure  # waiters learn why, instead of waiting
                         for event in self._settled.values():
                             event.set()
-                logger.warning("event subscriber lost its connection (%s); reconnecting", exc)
+                self._log.warning("event subscriber lost its connection (%s); reconnecting", exc)
                 self._lose_confirmations()
                 reconnecting = True
                 await anyio.sleep(backoff)
@@ -215,7 +218,7 @@ class Events:
             await self._sync(pubsub, requested, wanted)
             if reconnecting and requested and wanted <= self._confirmed:
                 reconnecting = False
-                logger.info("event subscriber reconnected")
+                self._log.info("event subscriber reconnected")
                 await self._on_reconnect()
             if not requested and not self._confirmed:
                 if reconnecting:

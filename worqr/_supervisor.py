@@ -9,7 +9,6 @@ the registry: the load on Redis grows linearly with the number of workers.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from typing import Protocol
@@ -19,9 +18,8 @@ import anyio
 from . import _ops
 from ._errors import BackendError
 from ._keys import Keys
+from ._log import PeerLog
 from ._ops import Client
-
-logger = logging.getLogger("worqr")
 
 
 class Host(Protocol):
@@ -51,6 +49,7 @@ class Supervisor:
     def __init__(
         self,
         host: Host,
+        log: PeerLog,
         client: Client,
         keys: Keys,
         *,
@@ -59,6 +58,7 @@ class Supervisor:
         cleanup_interval: float,
     ) -> None:
         self._host = host
+        self._log = log
         self._client = client
         self._keys = keys
         self._heartbeat_interval = heartbeat_interval
@@ -98,7 +98,7 @@ class Supervisor:
                     continue
                 alive = await _ops.heartbeat(self._client, keys, host.worker_id, self.timeout_ms)
             except BackendError as exc:
-                logger.warning("heartbeat failed: %s", exc, extra={"worker_id": host.worker_id})
+                self._log.warning("heartbeat failed: %s", exc)
                 if stalled and not host.leases_lost():
                     await host.lose_leases("heartbeat not refreshed within worker_timeout")
                 continue
@@ -127,4 +127,4 @@ class Supervisor:
                 waiting = [count for count, _ in found]
                 await host.recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:
-                logger.warning("cleanup failed: %s", exc, extra={"worker_id": host.worker_id})
+                self._log.warning("cleanup failed: %s", exc)

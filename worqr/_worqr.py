@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,6 +33,7 @@ from ._errors import (
 )
 from ._events import Events, Subscribed
 from ._keys import Keys
+from ._log import PeerLog
 from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo
 from ._names import (
     ProcessRef,
@@ -48,8 +48,6 @@ from ._names import (
 )
 from ._ops import call, text
 from ._supervisor import Supervisor
-
-logger = logging.getLogger("worqr")
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
 _RECENT = 1000  # dequeue-to-finish times kept per queue for statistics()
@@ -107,10 +105,11 @@ class Worqr:
         self._quarantine_after = quarantine_after
         self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
+        self._log = PeerLog(self._worker_id)
         self._redis = redis
         self._keys = Keys(check_prefix(prefix))
         self._owned: list[Redis] = []
-        self._events = Events(subscriber or redis, self._keys, self._after_reconnect)
+        self._events = Events(subscriber or redis, self._keys, self._after_reconnect, self._log)
         self._runner: asyncio.Task[None] | None = None
         self._runner_scope: anyio.CancelScope | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -223,7 +222,7 @@ class Worqr:
             try:
                 await self.fail_worker()
             except BackendError as exc:
-                logger.warning(
+                self._log.warning(
                     "could not hand work back at shutdown (%s); peers will reclaim it",
                     exc,
                     extra={"worker_id": self._worker_id},
@@ -434,6 +433,7 @@ class Worqr:
             await self._fail_dead(self._worker_id, only_if_dead=False)
         supervisor = Supervisor(
             self,
+            self._log,
             self._redis,
             self._keys,
             heartbeat_interval=self._heartbeat_interval,
@@ -449,7 +449,7 @@ class Worqr:
         self._beat = supervisor
         scope = self._supervisor = anyio.CancelScope()
         tg.start_soon(self._supervise, supervisor, scope)
-        logger.info("worker started", extra={"worker_id": self._worker_id})
+        self._log.info("worker started")
 
     async def _supervise(self, supervisor: Supervisor, scope: anyio.CancelScope) -> None:
         with scope:
@@ -534,12 +534,12 @@ class Worqr:
             return False
         for queue, reclaimed in outcome.items():
             if reclaimed.returned or reclaimed.quarantined:
-                logger.info(
+                self._log.info(
                     "reclaimed %d task(s) of dead worker %s, quarantined %d",
                     len(reclaimed.returned),
                     worker_id,
                     len(reclaimed.quarantined),
-                    extra={"worker_id": self._worker_id, "queue": queue},
+                    extra={"queue": queue},
                 )
         return True
 
@@ -601,16 +601,14 @@ class Worqr:
             return
         self._lost = True
         self._epoch += 1
-        logger.warning("worker lost its leases: %s", reason, extra={"worker_id": self._worker_id})
+        self._log.warning("worker lost its leases: %s", reason)
         held, self._held = self._held, {}
         for process in held.values():
             await self._events.dispatch(process.queue, "lost", process.id)
         try:
             await self.recover_leases()
         except BackendError as exc:
-            logger.warning(
-                "re-registration deferred: %s", exc, extra={"worker_id": self._worker_id}
-            )
+            self._log.warning("re-registration deferred: %s", exc)
 
     async def recover_leases(self) -> None:
         """Hand back whatever is still recorded under this worker and register anew."""
@@ -625,7 +623,7 @@ class Worqr:
         self._lost = False
         if self._beat is not None:
             self._beat.refreshed()
-        logger.info("worker re-registered", extra={"worker_id": self._worker_id})
+        self._log.info("worker re-registered")
         await self.recheck_queues(dict.fromkeys(self._working, 1))
 
     async def recheck_queues(self, waiting: dict[str, int]) -> None:
@@ -658,9 +656,9 @@ class Worqr:
                 continue
             ref = parse_process_id(pid)
             if ref.dequeued_at < horizon and await _ops.stop(self._redis, self._keys, ref):
-                logger.warning(
+                self._log.warning(
                     "returned stray process to its queue",
-                    extra={"worker_id": self._worker_id, "queue": ref.queue, "process_id": pid},
+                    extra={"queue": ref.queue, "process_id": pid},
                 )
 
     async def _after_reconnect(self) -> None:
@@ -672,7 +670,7 @@ class Worqr:
         try:
             registered = await _ops.registered(self._redis, self._keys, queues)
         except BackendError as exc:
-            logger.warning("re-check after reconnect failed: %s", exc)
+            self._log.warning("re-check after reconnect failed: %s", exc)
             return
         for queue, present in zip(queues, registered, strict=True):
             await self._events.poke(queue, "work" if present else "delete", "1" if present else "")
@@ -728,7 +726,7 @@ class Worqr:
         started_here = queue not in self._working
         if started_here:
             await self.start_work(queue)
-        consumer = Consumer(self, queue, handler, concurrency)
+        consumer = Consumer(self, queue, handler, concurrency, self._log)
         self._consumers.add(consumer)
         self._events.add_hook(queue, consumer.hook)
         try:
@@ -768,7 +766,7 @@ class Worqr:
                     await action()
                     return
                 except BackendError as exc:
-                    logger.warning(
+                    self._log.warning(
                         "could not %s process: %s",
                         outcome,
                         exc,
@@ -798,4 +796,4 @@ class Worqr:
         try:
             await work
         except BackendError as exc:
-            logger.warning("cleanup step failed: %s", exc, extra={"worker_id": self._worker_id})
+            self._log.warning("cleanup step failed: %s", exc)
