@@ -350,15 +350,30 @@ def parser() -> argparse.ArgumentParser:
         "work a queue with any program: one child per task, task on stdin",
         json_out=False,
     )
+    run.formatter_class = argparse.RawDescriptionHelpFormatter
+    run.description = RUN_CONTRACT
     run.add_argument("queue")
-    run.add_argument("--concurrency", type=count, default=1)
+    run.add_argument("--concurrency", type=count, default=1, help="children at once (default: 1)")
     run.add_argument("--grace", type=seconds, default=10.0, help="seconds (default: 10)")
-    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
+    run.set_defaults(command=[])  # the words after --, split off in main()
+    run.epilog = "the COMMAND follows --: worqr run QUEUE [options] -- COMMAND [ARGS...]"
     watch = verb("watch", cmd_watch, "a live view of queues and workers", json_out=False)
     watch.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes")
     watch.add_argument("--iterations", type=count, help="stop after N refreshes")
     verbs.add_parser("demo", help="three peers, one SIGKILLed: its tasks come back and finish")
     return top
+
+
+RUN_CONTRACT = """work a queue with any program: one child process per task.
+
+Each task starts COMMAND (no shell) with the task on stdin and in WORQR_TASK (up to
+32 KiB), and WORQR_QUEUE, WORQR_PROCESS_ID, WORQR_WORKER_ID in its environment. Its
+stdout and stderr go to the log, line by line, with the process id. Exit 0 finishes
+the task, with the last line of stdout as its result; any other exit moves the task to
+the failed list with "CommandFailed: exit code N: <end of stderr>". A cancel event for a
+running task stops its child (SIGTERM, SIGKILL 5 s later) and finishes the task. SIGTERM
+or SIGINT to worqr run stops taking work, lets running children finish for up to --grace
+seconds, then stops them and hands their tasks back to the front of the queue."""
 
 
 def count(value: str) -> int:
@@ -385,12 +400,13 @@ async def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if "run" in arguments and "--" in arguments:  # everything after -- is the COMMAND
-        cut = arguments.index("--")
-        arguments, command = arguments[:cut], arguments[cut + 1 :]
-    else:
-        command = None
     top = parser()
+    command = None
+    if "--" in arguments:  # for run, everything after -- is the COMMAND
+        cut = arguments.index("--")
+        probe, _ = top.parse_known_args(arguments[:cut])
+        if probe.verb == "run":
+            arguments, command = arguments[:cut], arguments[cut + 1 :]
     args, extra = top.parse_known_args(arguments)
     if extra and args.verb == "enqueue" and not any(word.startswith("-") for word in extra):
         args.tasks += extra  # tasks after an option: enqueue Q --unique T1 T2

@@ -1,0 +1,252 @@
+"""``worqr run QUEUE -- COMMAND [ARGS...]``: work a queue with any program.
+
+Each task runs COMMAND as a child process (no shell), in a session of its own so that
+a Ctrl-C in the terminal reaches ``worqr run`` only, never the children directly:
+
+- the task is written to its stdin, byte for byte (UTF-8, no newline added), then
+  stdin is closed; it is also in ``WORQR_TASK`` (unless it holds a NUL or is larger
+  than `ENV_TASK_LIMIT`), with ``WORQR_QUEUE``, ``WORQR_PROCESS_ID`` and
+  ``WORQR_WORKER_ID``; the rest of the environment is inherited;
+- each line of its stdout is logged at INFO, each line of its stderr at WARNING, on
+  the ``worqr`` logger as ``NAME[PID]: line``, with the process id in ``extra``;
+- exit 0 finishes the process with the last non-empty line of stdout as the result
+  (None without output); any other exit, or death by a signal (``exit code -9``),
+  moves the task to the failed list with the error
+  ``CommandFailed: exit code N: <the last 20 lines / 2,000 characters of stderr>``;
+  a COMMAND that cannot be started fails the task with
+  ``CommandFailed: cannot start 'NAME': <reason>`` and the worker goes on.
+
+A child is stopped (a ``cancel`` event for its task, the queue deleted) with SIGTERM to
+its whole process group, then SIGKILL if it is still alive `KILL_AFTER` (5) seconds
+later; what is left of its group is then killed. The stop is shielded: no task ends
+while its child may still run.
+
+SIGTERM or SIGINT stops taking work and gives running children ``grace`` seconds to
+finish; the rest are stopped the same way but with SIGKILL after `SHUTDOWN_KILL_AFTER`
+(0.5) seconds, and their tasks handed back to the front of the queue
+(`Worqr.shutdown`). Later signals are ignored while that happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ._errors import ClosedError
+from ._models import Process
+from ._worqr import Worqr
+
+logger = logging.getLogger("worqr")
+
+KILL_AFTER = 5.0
+"""Seconds between SIGTERM and SIGKILL when a child is stopped."""
+SHUTDOWN_KILL_AFTER = 0.5
+"""The same at shutdown, after the grace period: `Worqr.shutdown` hands the task back
+one second after cancelling its handler, and by then the child must be dead, or the
+task could run twice at once."""
+ENV_TASK_LIMIT = 32 * 1024
+"""Tasks larger than this (in UTF-8 bytes) are not put in ``WORQR_TASK``: Linux
+refuses to start a program with one environment string over 128 KiB."""
+STDERR_LINES, STDERR_CHARS = 20, 2000
+"""How much of the end of stderr a failed task's error keeps."""
+_LINE_LIMIT = 64 * 1024  # a longer line is logged and kept in pieces
+_DRAIN = 1.0  # seconds to read what is left in the pipes after the child exits
+_REAP = 5.0  # seconds to wait for a child to die after SIGKILL
+
+
+class CommandFailed(Exception):
+    """COMMAND could not be started, or exited with a code other than 0."""
+
+
+async def serve(
+    worqr: Worqr, queue: str, command: list[str], *, concurrency: int, grace: float
+) -> int:
+    """Run ``command`` for each task of ``queue``, ``concurrency`` children at once,
+    until the queue is deleted or a SIGTERM/SIGINT (then stop within ``grace``).
+    Returns the exit code: 0."""
+    if not command:
+        raise ValueError("give the COMMAND to run after --")
+    worker = _Worker(worqr, queue, command, grace)
+    async with anyio.create_task_group() as tg:
+        consuming = anyio.CancelScope()
+        await tg.start(worker.stop_on_signals, consuming)
+        with consuming:
+            try:
+                await worqr.consume(queue, worker.run_task, concurrency=concurrency)
+            except ClosedError:
+                if not worker.signalled:  # shut down while consume was starting
+                    raise
+        tg.cancel_scope.cancel()  # the signal watcher; a shutdown in progress is shielded
+    return 0
+
+
+class _Worker:
+    """The handler given to `Worqr.consume`, and the reaction to stop signals."""
+
+    def __init__(self, worqr: Worqr, queue: str, command: Sequence[str], grace: float) -> None:
+        self._worqr = worqr
+        self._queue = queue
+        self._command = list(command)
+        self._name = os.path.basename(command[0]) or command[0]
+        self._grace = grace
+        self.signalled = False
+
+    async def stop_on_signals(
+        self,
+        consuming: anyio.CancelScope,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """On the first SIGTERM or SIGINT, shut the worker down gracefully; keep the
+        signals caught until the end, so that a second one cannot kill this process
+        while its children are being stopped."""
+        extra = {"worker_id": self._worqr.worker_id, "queue": self._queue, "process_id": None}
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if self.signalled:
+                    logger.warning("%s ignored: already stopping", name, extra=extra)
+                    continue
+                self.signalled = True
+                logger.warning(
+                    "%s: taking no more tasks; running ones get %g s to finish",
+                    name,
+                    self._grace,
+                    extra=extra,
+                )
+                with anyio.CancelScope(shield=True):  # bounded by shutdown itself
+                    await self._worqr.shutdown(grace=self._grace)
+                # Normally consume has returned by now, or returns once the children
+                # of cancelled handlers are reaped; this also ends a consume that
+                # started while shutdown ran.
+                consuming.cancel()
+
+    async def run_task(self, process: Process) -> str | None:
+        """Run COMMAND for one task: its result on exit 0, else `CommandFailed`."""
+        extra = {
+            "worker_id": self._worqr.worker_id,
+            "queue": process.queue,
+            "process_id": process.id,
+        }
+        with anyio.CancelScope(shield=True):  # a cancelled spawn must not lose the child
+            try:
+                child = await anyio.open_process(
+                    self._command, env=self._environment(process), start_new_session=True
+                )
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                raise CommandFailed(f"cannot start {self._command[0]!r}: {reason}") from exc
+        label = f"{self._name}[{child.pid}]"
+        logger.info("%s started", label, extra=extra)
+        stdout: deque[str] = deque(maxlen=1)
+        stderr: deque[str] = deque(maxlen=STDERR_LINES)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_feed, child, process.task.encode())
+                async with anyio.create_task_group() as pumps:
+                    assert child.stdout is not None and child.stderr is not None
+                    pumps.start_soon(_pump, child.stdout, logging.INFO, label, stdout, extra)
+                    pumps.start_soon(_pump, child.stderr, logging.WARNING, label, stderr, extra)
+                    code = await child.wait()
+                    # Output still in the pipes is read; a grandchild holding them
+                    # open must not hold the task.
+                    pumps.cancel_scope.deadline = anyio.current_time() + _DRAIN
+                tg.cancel_scope.cancel()  # the stdin writer, if the child never read it
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._reap(child, label, extra)
+        logger.info("%s exited with code %d", label, code, extra=extra)
+        if code != 0:
+            tail = "\n".join(stderr)[-STDERR_CHARS:]
+            raise CommandFailed(f"exit code {code}: {tail}" if tail else f"exit code {code}")
+        return stdout[-1] if stdout else None
+
+    def _environment(self, process: Process) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("WORQR_TASK", None)  # never inherit a stale one
+        if "\0" not in process.task and len(process.task.encode()) <= ENV_TASK_LIMIT:
+            env["WORQR_TASK"] = process.task
+        env["WORQR_QUEUE"] = process.queue
+        env["WORQR_PROCESS_ID"] = process.id
+        env["WORQR_WORKER_ID"] = self._worqr.worker_id
+        return env
+
+    async def _reap(self, child: anyio.abc.Process, label: str, extra: dict[str, Any]) -> None:
+        """Make sure the child is gone: if it still runs (the handler was cancelled),
+        SIGTERM its group, SIGKILL it if it outlives the delay, then kill what is left
+        of the group; finally close the pipes."""
+        if child.returncode is None:
+            logger.info("%s: stopping (SIGTERM)", label, extra=extra)
+            kill_after = SHUTDOWN_KILL_AFTER if self.signalled else KILL_AFTER
+            _signal_group(child, signal.SIGTERM)
+            with anyio.move_on_after(kill_after):
+                await child.wait()
+            if child.returncode is None:
+                logger.warning(
+                    "%s: still running after %g s; SIGKILL", label, kill_after, extra=extra
+                )
+                _signal_group(child, signal.SIGKILL)
+                with anyio.move_on_after(_REAP):
+                    await child.wait()
+            _signal_group(child, signal.SIGKILL)  # whatever it left behind
+            if child.returncode is None:
+                logger.error("%s did not die after SIGKILL; leaving it", label, extra=extra)
+                return
+            logger.info("%s stopped with code %d", label, child.returncode, extra=extra)
+        await child.aclose()
+
+
+def _signal_group(child: anyio.abc.Process, signum: signal.Signals) -> None:
+    """Signal the child's process group (its pid: it leads a session of its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
+        os.killpg(child.pid, signum)
+
+
+async def _feed(child: anyio.abc.Process, data: bytes) -> None:
+    """Write the task to the child's stdin and close it; a child that exits without
+    reading it all is not an error."""
+    assert child.stdin is not None
+    try:
+        if data:
+            await child.stdin.send(data)
+        await child.stdin.aclose()
+    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+
+
+async def _pump(
+    stream: anyio.abc.ByteReceiveStream,
+    level: int,
+    label: str,
+    kept: deque[str],
+    extra: dict[str, Any],
+) -> None:
+    """Log each line of ``stream`` at ``level`` as it comes, keeping the last non-empty
+    ones in ``kept``."""
+
+    def emit(raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip("\r")
+        if line.strip():
+            kept.append(line)
+            logger.log(level, "%s: %s", label, line, extra=extra)
+
+    pending = b""
+    async for chunk in stream:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            emit(raw)
+        while len(pending) > _LINE_LIMIT:
+            emit(pending[:_LINE_LIMIT])
+            pending = pending[_LINE_LIMIT:]
+    if pending:
+        emit(pending)
