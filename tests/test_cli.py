@@ -104,6 +104,8 @@ def test_enqueue_from_stdin_in_batches_and_unique(server: EmbeddedServer) -> Non
         (["watch", "--interval", "-1"], 2, "positive number of seconds"),
         (["nosuchverb"], 2, "invalid choice"),
         (["enqueue", "jobs"], 2, "give tasks, or --stdin"),
+        (["queues", "--json=yes"], 2, "ignored explicit argument"),
+        (["tasks", "--json", "--json=1", "jobs"], 2, "ignored explicit argument"),
     ],
 )
 def test_bad_input_exit_codes(
