@@ -27,6 +27,7 @@ BAD_QUEUES: list[tuple[Any, type[Exception], str]] = [
     ("tab\there", InvalidQueueNameError, "control"),
     ("nul\x00", InvalidQueueNameError, "control"),
     ("del\x7f", InvalidQueueNameError, "control"),
+    ("a\ud800", InvalidQueueNameError, "valid Unicode"),
     (None, TypeError, "str"),
     (b"bytes", TypeError, "str"),
     (42, TypeError, "str"),

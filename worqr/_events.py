@@ -191,7 +191,9 @@ class Events:
             pubsub = PubSub(self._pool)
             try:
                 await self._serve(pubsub, reconnecting)
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # never let the subscriber die: it is the fleet's ears
+                if not isinstance(exc, RedisError | OSError):
+                    self._log.exception("event subscriber failed; restarting it")
                 if isinstance(exc, RedisError):
                     failure = translate(exc)
                     if isinstance(failure, AuthenticationFailedError | PermissionDeniedError):

@@ -44,6 +44,10 @@ def check_queue(queue: object) -> str:
         raise InvalidQueueNameError(
             f"queue name must not contain '{{', '}}' or control characters: {queue!r}"
         )
+    try:
+        queue.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidQueueNameError(f"queue name must be valid Unicode text: {queue!r}") from exc
     return queue
 
 

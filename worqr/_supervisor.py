@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import anyio
@@ -83,8 +84,18 @@ class Supervisor:
         """Both loops, until cancelled."""
         self.refreshed()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._heartbeat_loop)
-            tg.start_soon(self._cleanup_loop)
+            tg.start_soon(self._keep, self._heartbeat_loop, "heartbeat")
+            tg.start_soon(self._keep, self._cleanup_loop, "cleanup")
+
+    async def _keep(self, loop: Callable[[], Awaitable[None]], name: str) -> None:
+        """Run a loop for good: an unexpected error is logged and the loop restarted,
+        since a worker whose heartbeat stopped would be presumed dead."""
+        while True:
+            try:
+                await loop()
+            except Exception:
+                self._log.exception("%s loop failed; restarting it", name)
+                await anyio.sleep(1.0)
 
     async def _heartbeat_loop(self) -> None:
         host, keys = self._host, self._keys
