@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import anyio
+
 from ._errors import redis_boundary
 from ._keys import Keys
 from ._names import parse_process_id
 from ._ops import Client, call, text
+
+_SECOND_LOOK = 0.1  # seconds before a dangling id is confirmed
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,30 @@ async def _read(r: Client, keys: Keys) -> _State:
     return _State(workers, queues, alive, lengths, held, holders, work_lists, set(task_queues))
 
 
+@redis_boundary
+async def _still_dangling(
+    r: Client, keys: Keys, candidates: list[tuple[str, str, str]]
+) -> list[tuple[str, str, str]]:
+    """The candidates that are still recorded without a process list a moment later.
+
+    An empty dequeue records its id and withdraws it one round trip later; a second
+    look tells that passing state from a stuck one.
+    """
+    if not candidates:
+        return []
+    await anyio.sleep(_SECOND_LOOK)
+    async with r.pipeline(transaction=False) as pipe:
+        for queue, worker_id, pid in candidates:
+            pipe.execute_command("SISMEMBER", keys.held(queue, worker_id), pid)
+            pipe.execute_command("EXISTS", keys.process(queue, pid))
+        replies = await pipe.execute()
+    return [
+        candidate
+        for candidate, recorded, exists in zip(candidates, replies[::2], replies[1::2], strict=True)
+        if recorded and not exists
+    ]
+
+
 async def inspect(r: Client, keys: Keys) -> list[Problem]:
     """Every violation of the invariants in the state under ``keys.prefix``."""
     state = await _read(r, keys)
@@ -144,18 +172,22 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
             problems.append(
                 Problem("malformed-process", f"a process list of {length} tasks", queue, owner, pid)
             )
-    for (queue, worker_id), pids in sorted(state.held.items()):
-        for pid in sorted(pids):
-            if (queue, pid) not in state.process_lengths:
-                problems.append(
-                    Problem(
-                        "dangling-process-id",
-                        "a recorded process id without its process list",
-                        queue,
-                        worker_id,
-                        pid,
-                    )
-                )
+    dangling = [
+        (queue, worker_id, pid)
+        for (queue, worker_id), pids in sorted(state.held.items())
+        for pid in sorted(pids)
+        if (queue, pid) not in state.process_lengths
+    ]
+    for queue, worker_id, pid in await _still_dangling(r, keys, dangling):
+        problems.append(
+            Problem(
+                "dangling-process-id",
+                "a recorded process id without its process list",
+                queue,
+                worker_id,
+                pid,
+            )
+        )
     dead_holders = {w for (_, w), pids in state.held.items() if pids and w not in state.alive}
     for worker_id in sorted(dead_holders | (state.workers - state.alive)):
         problems.append(
