@@ -48,13 +48,16 @@ def ensure_venv() -> None:
 
 
 def test(args: list[str]) -> int:
-    """Run pytest under coverage; no test collected counts as a failure."""
+    """Run pytest under coverage (child processes included); no test collected counts as
+    a failure."""
+    run(PYTHON, "-m", "coverage", "erase")
     code = run(PYTHON, "-m", "coverage", "run", "-m", "pytest", *args)
     if code == PYTEST_NO_TESTS:
         print("dev.py: pytest collected no tests", file=sys.stderr)
     if code != 0:
         return code
-    return run(PYTHON, "-m", "coverage", "report")
+    combined = run(PYTHON, "-m", "coverage", "combine", "--quiet")
+    return combined or run(PYTHON, "-m", "coverage", "report")
 
 
 def lint(args: list[str]) -> int:
