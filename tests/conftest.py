@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Worqr
-from worqr._embedded import redis_url_or_embedded
+from worqr._embedded import EmbeddedServer, redis_url_or_embedded
 
 from .helpers import FAST, Factory
 
@@ -71,3 +71,18 @@ async def make(client: Redis, prefix: str) -> AsyncIterator[Factory]:
     yield factory
     for worqr in peers:
         await worqr.close()
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    """A server of the test's own (AOF on), for tests that kill, restart or lock it."""
+    with EmbeddedServer(appendonly=True) as instance:
+        yield instance
+
+
+@pytest.fixture
+async def raw(server: EmbeddedServer) -> AsyncIterator[Redis]:
+    """A plain client of the test's own server, to read and break its state directly."""
+    client = Redis.from_url(server.url, decode_responses=True)
+    yield client
+    await client.aclose()

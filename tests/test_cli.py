@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -35,19 +34,6 @@ def worqr_cli(
     env = {key: value for key, value in os.environ.items() if key != "REDIS_URL"}
     env["COLUMNS"] = "100"  # argparse wraps --help to the terminal width
     return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=60, env=env)
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    with EmbeddedServer() as instance:
-        yield instance
-
-
-@pytest.fixture
-async def raw(server: EmbeddedServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(server.url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 # -- behaviour ------------------------------------------------------------------------------

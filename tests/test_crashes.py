@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -21,19 +20,6 @@ from worqr._embedded import EmbeddedServer
 from .helpers import FAST, eventually, raw_keys
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    with EmbeddedServer(appendonly=True) as instance:
-        yield instance
-
-
-@pytest.fixture
-async def raw(server: EmbeddedServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(server.url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 async def _no_process_state(raw: Redis, prefix: str) -> bool:

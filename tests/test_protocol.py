@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -34,13 +33,7 @@ def _cli_binary() -> str:
     return str(bundled)
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    with EmbeddedServer() as instance:
-        yield instance
-
-
-def raw(server: EmbeddedServer, script: str) -> list[str]:
+def redis_cli(server: EmbeddedServer, script: str) -> list[str]:
     """Run commands, one per line, through redis-cli on one connection; its replies."""
     result = subprocess.run(
         [_cli_binary(), "-h", "127.0.0.1", "-p", str(server.port)],
@@ -64,7 +57,7 @@ async def test_a_task_enqueued_by_redis_cli_is_consumed(server: EmbeddedServer) 
         async with anyio.create_task_group() as tg:
             tg.start_soon(worqr.consume, "jobs", handler)
             await eventually(lambda: _working(worqr))
-            raw(
+            redis_cli(
                 server,
                 "SADD worqr:queues jobs\n"
                 "RPUSH worqr:q:{jobs}:tasks from-cli-1 from-cli-2\n"
@@ -88,7 +81,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
         await worqr.enqueue("jobs", ["first", "second"], unique=True)
         token = f"{time.time_ns():016x}000001"
         pid = f"cli-1/{token}/jobs"
-        replies = raw(
+        replies = redis_cli(
             server,
             "SET worqr:protocol 1 NX\n"
             "GET worqr:protocol\n"
@@ -109,7 +102,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
         done = json.dumps(
             {"process_id": pid, "worker_id": "cli-1", "task": "first", "result": "42"}
         )
-        replies = raw(
+        replies = redis_cli(
             server,
             f"WATCH worqr:q:{{jobs}}:p:{pid}\n"
             f"LINDEX worqr:q:{{jobs}}:p:{pid} 0\n"
@@ -137,7 +130,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
 
 
 async def test_another_protocol_version_is_refused(server: EmbeddedServer) -> None:
-    raw(server, "SET worqr:protocol 2\n")
+    redis_cli(server, "SET worqr:protocol 2\n")
     with pytest.raises(ProtocolVersionError, match="protocol '2'"):
         async with Worqr.from_url(server.url):
             pass
