@@ -612,7 +612,7 @@ async def recovered(redis: Redis, prefix: str, peer: Worqr, working: set[str]) -
     alive = f"{prefix}:w:{{{peer.worker_id}}}:alive"
 
     async def back() -> bool:
-        if peer.leases_lost() or not await redis.exists(alive):
+        if peer._leases_lost() or not await redis.exists(alive):
             return False
         listed = await redis.sismember(f"{prefix}:workers", peer.worker_id)
         queues = await redis.smembers(f"{prefix}:w:{{{peer.worker_id}}}:queues")

@@ -21,9 +21,9 @@ _TAKE_LIMIT = 10.0
 class Host(Protocol):
     """What a consumer needs from the `Worqr` that runs it."""
 
-    async def take(self, queue: str) -> Process | None: ...
+    async def _take(self, queue: str) -> Process | None: ...
 
-    async def settle(self, process: Process, outcome: str, detail: str | None) -> None: ...
+    async def _settle(self, process: Process, outcome: str, detail: str | None) -> None: ...
 
 
 class Consumer:
@@ -104,11 +104,11 @@ class Consumer:
                                 break
                             if not self._taking:  # stopped while the dequeue ran
                                 with anyio.CancelScope(shield=True):
-                                    await self._host.settle(process, "requeue", None)
+                                    await self._host._settle(process, "requeue", None)
                                 break
                             if process.task in self._cancelled_meanwhile:
                                 with anyio.CancelScope(shield=True):
-                                    await self._host.settle(process, "cancelled", None)
+                                    await self._host._settle(process, "cancelled", None)
                                 continue
                             self._start(tg, process)
                         backoff = 0.05
@@ -124,7 +124,7 @@ class Consumer:
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                 # Newest first, so that the oldest ends at the head of the queue.
                 for process, _ in reversed(list(self._running.values())):
-                    await self._host.settle(process, "requeue", None)
+                    await self._host._settle(process, "requeue", None)
 
     async def _take(self) -> Process | None:
         """Dequeue, shielded: a cancellation arriving mid-command must not leave a
@@ -132,7 +132,7 @@ class Consumer:
         self._dequeuing, self._cancelled_meanwhile = True, set()
         try:
             with anyio.CancelScope(shield=True), anyio.move_on_after(_TAKE_LIMIT):
-                return await self._host.take(self.queue)
+                return await self._host._take(self.queue)
             return None
         finally:
             self._dequeuing = False
@@ -162,7 +162,7 @@ class Consumer:
         self._ending.pop(process.id, None)
         try:
             with anyio.CancelScope(shield=True):
-                await self._host.settle(process, outcome, detail)
+                await self._host._settle(process, outcome, detail)
         finally:
             if not self._running:
                 self._idle.set()

@@ -29,19 +29,19 @@ class Host(Protocol):
     @property
     def worker_id(self) -> str: ...
 
-    async def lose_leases(self, reason: str) -> None: ...
+    async def _lose_leases(self, reason: str) -> None: ...
 
-    async def recover_leases(self) -> None: ...
+    async def _recover_leases(self) -> None: ...
 
     async def cleanup_workers(self) -> list[str]: ...
 
-    async def recheck_queues(self, waiting: dict[str, int]) -> None: ...
+    async def _recheck_queues(self, waiting: dict[str, int]) -> None: ...
 
-    async def audit_processes(self, recorded: list[str], read_at_ns: int) -> None: ...
+    async def _audit_processes(self, recorded: list[str], read_at_ns: int) -> None: ...
 
-    def working_queues(self) -> list[str]: ...
+    def _working_queues(self) -> list[str]: ...
 
-    def leases_lost(self) -> bool: ...
+    def _leases_lost(self) -> bool: ...
 
 
 class Supervisor:
@@ -104,19 +104,19 @@ class Supervisor:
             stalled = self.overdue()
             sent_at = time.monotonic()
             try:
-                if host.leases_lost():
-                    await host.recover_leases()
+                if host._leases_lost():
+                    await host._recover_leases()
                     continue
                 alive = await _ops.heartbeat(self._client, keys, host.worker_id, self.timeout_ms)
             except BackendError as exc:
                 self._log.warning("heartbeat failed: %s", exc)
-                if stalled and not host.leases_lost():
-                    await host.lose_leases("heartbeat not refreshed within worker_timeout")
+                if stalled and not host._leases_lost():
+                    await host._lose_leases("heartbeat not refreshed within worker_timeout")
                 continue
             if not alive:
-                await host.lose_leases("heartbeat expired")
+                await host._lose_leases("heartbeat expired")
             elif stalled:
-                await host.lose_leases("heartbeat not refreshed within worker_timeout")
+                await host._lose_leases("heartbeat not refreshed within worker_timeout")
             else:
                 self.refreshed(sent_at)
 
@@ -125,17 +125,17 @@ class Supervisor:
         lease_ms = max(1, round(self._cleanup_interval * 850))
         while True:
             await anyio.sleep(self._cleanup_interval * random.uniform(0.9, 1.0))
-            if host.leases_lost():
+            if host._leases_lost():
                 continue
             try:
                 if await _ops.acquire_supervision(self._client, keys, host.worker_id, lease_ms):
                     await host.cleanup_workers()
-                queues = host.working_queues()
+                queues = host._working_queues()
                 read_at_ns = time.time_ns()
                 found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
                 recorded = [pid for _, held in found for pid in held]
-                await host.audit_processes(recorded, read_at_ns)
+                await host._audit_processes(recorded, read_at_ns)
                 waiting = [count for count, _ in found]
-                await host.recheck_queues(dict(zip(queues, waiting, strict=True)))
+                await host._recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:
                 self._log.warning("cleanup failed: %s", exc)

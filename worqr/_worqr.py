@@ -319,9 +319,9 @@ class Worqr:
         self._require_worker()
         if queue not in self._working:
             raise NotWorkingError(f"this worker has not started work on {queue!r}")
-        return await self.take(queue)
+        return await self._take(queue)
 
-    async def take(self, queue: str) -> Process | None:
+    async def _take(self, queue: str) -> Process | None:
         """Dequeue, fenced against a lease loss that happens while the command runs."""
         if self._lost:
             return None
@@ -408,7 +408,7 @@ class Worqr:
         if ref.worker_id != self._worker_id:
             return False
         if not self._lost and self._beat is not None and self._beat.overdue():
-            await self.lose_leases("heartbeat not refreshed within worker_timeout")
+            await self._lose_leases("heartbeat not refreshed within worker_timeout")
         return self._lost
 
     # -- the worker --------------------------------------------------------------------
@@ -588,13 +588,13 @@ class Worqr:
 
     # -- fencing (called by the supervisor) -------------------------------------------
 
-    def working_queues(self) -> list[str]:
+    def _working_queues(self) -> list[str]:
         return list(self._working)
 
-    def leases_lost(self) -> bool:
+    def _leases_lost(self) -> bool:
         return self._lost
 
-    async def lose_leases(self, reason: str) -> None:
+    async def _lose_leases(self, reason: str) -> None:
         """Fence this worker: every process it held is reported ``lost`` and its
         handler cancelled; it re-registers once Redis answers."""
         if self._lost:
@@ -606,11 +606,11 @@ class Worqr:
         for process in held.values():
             await self._events.dispatch(process.queue, "lost", process.id)
         try:
-            await self.recover_leases()
+            await self._recover_leases()
         except BackendError as exc:
             self._log.warning("re-registration deferred: %s", exc)
 
-    async def recover_leases(self) -> None:
+    async def _recover_leases(self) -> None:
         """Hand back whatever is still recorded under this worker and register anew."""
         await self._fail_dead(self._worker_id, only_if_dead=False)
         await _ops.register_worker(
@@ -624,15 +624,15 @@ class Worqr:
         if self._beat is not None:
             self._beat.refreshed()
         self._log.info("worker re-registered")
-        await self.recheck_queues(dict.fromkeys(self._working, 1))
+        await self._recheck_queues(dict.fromkeys(self._working, 1))
 
-    async def recheck_queues(self, waiting: dict[str, int]) -> None:
+    async def _recheck_queues(self, waiting: dict[str, int]) -> None:
         """Wake this peer's consumers of queues where tasks wait (hooks only)."""
         for queue, count in waiting.items():
             if count:
                 await self._events.poke(queue, "work", str(count))
 
-    async def audit_processes(self, recorded: list[str], read_at_ns: int) -> None:
+    async def _audit_processes(self, recorded: list[str], read_at_ns: int) -> None:
         """Reconcile the processes Redis records under this worker with the ones this
         peer holds: unknown ones (a dequeue whose reply was lost) go back to the front,
         and known ones Redis no longer records (reclaimed by a peer that took this
@@ -739,7 +739,7 @@ class Worqr:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await self._quietly(self.stop_work(queue))
 
-    async def settle(self, process: Process, outcome: str, detail: str | None) -> None:
+    async def _settle(self, process: Process, outcome: str, detail: str | None) -> None:
         """Apply a handler's outcome to its process, retrying while Redis is away
         (for at most ``worker_timeout``: after that the lease is lost anyway)."""
         ref = parse_process_id(process.id)
