@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -114,8 +113,7 @@ class Consumer:
                         backoff = 0.05
                     except BackendError as exc:
                         self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
-                        with anyio.move_on_after(backoff):
-                            await anyio.sleep(math.inf)
+                        await anyio.sleep(backoff)
                         backoff = min(backoff * 2, _MAX_BACKOFF)
                         continue
                     if self._taking:

@@ -169,8 +169,7 @@ class Events:
 
         A listener that raises is logged and the rest still run.
         """
-        for hook in list(self._hooks.get(queue, ())):
-            hook(kind, message)
+        await self.poke(queue, kind, message)
         for listener in list(self._listeners.get(queue, ())):
             try:
                 outcome = listener(kind, message)
