@@ -66,6 +66,7 @@ class Supervisor:
         self._worker_timeout = worker_timeout
         self._cleanup_interval = cleanup_interval
         self._last_refresh = time.monotonic()
+        self._scope = anyio.CancelScope()
 
     def refreshed(self, sent_at: float | None = None) -> None:
         """Note a successful heartbeat or registration, dated when it was sent: the
@@ -81,11 +82,16 @@ class Supervisor:
         return max(1, round(self._worker_timeout * 1000))
 
     async def run(self) -> None:
-        """Both loops, until cancelled."""
+        """Both loops, until `stop` (or the caller) cancels them."""
         self.refreshed()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._keep, self._heartbeat_loop, "heartbeat")
-            tg.start_soon(self._keep, self._cleanup_loop, "cleanup")
+        with self._scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._keep, self._heartbeat_loop, "heartbeat")
+                tg.start_soon(self._keep, self._cleanup_loop, "cleanup")
+
+    def stop(self) -> None:
+        """End both loops."""
+        self._scope.cancel()
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], name: str) -> None:
         """Run a loop for good: an unexpected error is logged and the loop restarted,

@@ -114,8 +114,7 @@ class Worqr:
         self._runner_scope: anyio.CancelScope | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._ready: asyncio.Event = asyncio.Event()
-        self._supervisor: anyio.CancelScope | None = None
-        self._beat: Supervisor | None = None
+        self._supervisor: Supervisor | None = None
         self._working: dict[str, None] = {}
         self._held: dict[str, Process] = {}
         self._consumers: set[Consumer] = set()
@@ -407,7 +406,7 @@ class Worqr:
         was blocked), in which case peers may already have reclaimed it."""
         if ref.worker_id != self._worker_id:
             return False
-        if not self._lost and self._beat is not None and self._beat.overdue():
+        if not self._lost and self._supervisor is not None and self._supervisor.overdue():
             await self._lose_leases("heartbeat not refreshed within worker_timeout")
         return self._lost
 
@@ -446,14 +445,9 @@ class Worqr:
         if self._closed:
             raise ClosedError("this Worqr was closed while its worker started")
         self._lost = False
-        self._beat = supervisor
-        scope = self._supervisor = anyio.CancelScope()
-        tg.start_soon(self._supervise, supervisor, scope)
+        self._supervisor = supervisor
+        tg.start_soon(supervisor.run)
         self._log.info("worker started")
-
-    async def _supervise(self, supervisor: Supervisor, scope: anyio.CancelScope) -> None:
-        with scope:
-            await supervisor.run()
 
     async def start_work(self, queue: str) -> None:
         """Work on a queue: subscribe to its events and publish ``work`` if tasks wait."""
@@ -500,9 +494,8 @@ class Worqr:
         for consumer in list(self._consumers):
             consumer.stop(reason, cancel=True)
         if self._supervisor is not None:
-            self._supervisor.cancel()
+            self._supervisor.stop()
             self._supervisor = None
-            self._beat = None
         for queue in self._working:
             self._events.unpin(queue)
         self._working.clear()
@@ -621,8 +614,8 @@ class Worqr:
             self._working,
         )
         self._lost = False
-        if self._beat is not None:
-            self._beat.refreshed()
+        if self._supervisor is not None:
+            self._supervisor.refreshed()
         self._log.info("worker re-registered")
         await self._recheck_queues(dict.fromkeys(self._working, 1))
 
