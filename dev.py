@@ -24,7 +24,8 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   test   run pytest under coverage (ARGS go to pytest), then the coverage report
   lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
   demo   python -m worqr demo ARGS
-  chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)"""
+  chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)
+  bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)"""
 
 
 def run(*cmd: str | Path) -> int:
@@ -75,12 +76,17 @@ def demo(args: list[str]) -> int:
     return run(PYTHON, "-m", "worqr", "demo", *args)
 
 
+def bench(args: list[str]) -> int:
+    """Run the benchmark suite: worqr and its peers, each in a venv of its own."""
+    return run(PYTHON, "-m", "benchmarks.suite", *args)
+
+
 def chaos(args: list[str]) -> int:
     """Run the chaos harness: faults injected into a real fleet, then the accounting."""
     return run(PYTHON, "-m", "benchmarks.chaos", *args)
 
 
-VERBS = {"test": test, "lint": lint, "demo": demo, "chaos": chaos}
+VERBS = {"test": test, "lint": lint, "demo": demo, "chaos": chaos, "bench": bench}
 
 
 def main(argv: list[str]) -> int:

@@ -83,7 +83,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
         pid = f"cli-1/{token}/jobs"
         replies = redis_cli(
             server,
-            "SET worqr:protocol 1 NX\n"
+            "SET worqr:protocol 2 NX\n"
             "GET worqr:protocol\n"
             "SET worqr:w:{cli-1}:alive 0 PX 60000\n"
             "SADD worqr:workers cli-1\n"
@@ -95,7 +95,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
             "SADD worqr:q:{jobs}:holders cli-1\n"
             "EXEC\n",
         )
-        assert replies[1] == "1" and "first" in replies
+        assert replies[1] == "2" and "first" in replies
         assert [p.id for p in await worqr.get_processes("jobs")] == [pid]
         assert (await worqr.check()).ok
         sha1 = hashlib.sha1(b"first").hexdigest()
@@ -111,7 +111,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
             f"SREM worqr:q:{{jobs}}:held:cli-1 {pid}\n"
             "SREM worqr:q:{jobs}:unique first\n"
             f"HDEL worqr:q:{{jobs}}:deaths {sha1}\n"
-            f"PUBLISH worqr:q:{{jobs}}:events 'done:{done}'\n"
+            f"PUBLISH worqr:q:{{jobs}}:done 'done:{done}'\n"
             "EXEC\n"
             "SREM worqr:q:{jobs}:holders cli-1\n"
             "DEL worqr:w:{cli-1}:queues\n"
@@ -130,8 +130,8 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
 
 
 async def test_another_protocol_version_is_refused(server: EmbeddedServer) -> None:
-    redis_cli(server, "SET worqr:protocol 2\n")
-    with pytest.raises(ProtocolVersionError, match="protocol '2'"):
+    redis_cli(server, "SET worqr:protocol 1\n")
+    with pytest.raises(ProtocolVersionError, match="protocol '1'"):
         async with Worqr.from_url(server.url):
             pass
     plain = Worqr.from_url(server.url)

@@ -25,7 +25,7 @@ from ._models import QueueStatistics as QueueStatistics
 from ._models import WorkerInfo as WorkerInfo
 from ._worqr import Worqr as Worqr
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AuthenticationFailedError",

@@ -17,8 +17,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TextIO
 
-import anyio
-
+from . import _loop
 from ._errors import WorqrError
 from ._names import check_queue
 from ._worqr import Worqr
@@ -424,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo()
     try:
-        return anyio.run(_dispatch, args)
+        return _loop.run(_dispatch, args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:  # bad names, URL

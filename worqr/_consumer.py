@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -20,7 +21,7 @@ _TAKE_LIMIT = 10.0
 class Host(Protocol):
     """What a consumer needs from the `Worqr` that runs it."""
 
-    async def _take(self, queue: str) -> Process | None: ...
+    async def _take(self, queue: str, count: int, *, announced: bool) -> list[Process]: ...
 
     async def _settle(self, process: Process, outcome: str, detail: str | None) -> None: ...
 
@@ -50,6 +51,8 @@ class Consumer:
         self._taking = True
         self._dequeuing = False
         self._cancelled_meanwhile: set[str] = set()
+        self._strays: set[asyncio.Future[None]] = set()
+        self._announced = 0  # tasks announced by ``work`` events since the last take
         self.reason: str | None = None
 
     # -- signals (synchronous, called from event hooks and the facade) -----------------
@@ -57,6 +60,7 @@ class Consumer:
     def hook(self, kind: str, message: str) -> None:
         """React to an event on the queue."""
         if kind == "work":
+            self._announced += int(message) if message.isdigit() else 1
             self._wake.set()
         elif kind == "cancel":
             if self._dequeuing:  # the dequeue in flight may return it
@@ -90,26 +94,21 @@ class Consumer:
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Take and run work until stopped; on the caller's cancellation, hand back."""
+        """Take and run work until stopped; on the caller's cancellation, hand back.
+
+        Each round takes as many tasks as there are free slots, in one transaction;
+        fewer than asked means the queue is empty, so the loop waits for a wake-up
+        (a ``work`` event or a handler ending) instead of polling.
+        """
         try:
             async with anyio.create_task_group() as tg:
                 backoff = 0.05
                 while self._taking:
                     self._wake = anyio.Event()
+                    free = self._concurrency - len(self._running)
                     try:
-                        while self._taking and len(self._running) < self._concurrency:
-                            process = await self._take()
-                            if process is None:
-                                break
-                            if not self._taking:  # stopped while the dequeue ran
-                                with anyio.CancelScope(shield=True):
-                                    await self._host._settle(process, "requeue", None)
-                                break
-                            if process.task in self._cancelled_meanwhile:
-                                with anyio.CancelScope(shield=True):
-                                    await self._host._settle(process, "cancelled", None)
-                                continue
-                            self._start(tg, process)
+                        if free > 0 and await self._take_and_start(tg, free):
+                            continue  # every slot asked for was filled: more may wait
                         backoff = 0.05
                     except BackendError as exc:
                         self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
@@ -124,16 +123,63 @@ class Consumer:
                 for process, _ in reversed(list(self._running.values())):
                     await self._host._settle(process, "requeue", None)
 
-    async def _take(self) -> Process | None:
-        """Dequeue, shielded: a cancellation arriving mid-command must not leave a
-        process taken in Redis that this consumer does not know about."""
+    async def _take_and_start(self, tg: anyio.abc.TaskGroup, free: int) -> bool:
+        """Dequeue up to ``free`` tasks and start a handler for each; return whether
+        every task asked for came (then more may be waiting).
+
+        After a ``work`` event the announced count is taken without first asking
+        for the queue's length, saving a round trip on the way to the handler.
+        """
+        announced, self._announced = min(self._announced, free), 0
+        count = announced or free
+        taken = await self._take(count, announced=bool(announced))
+        for position, process in enumerate(taken):
+            if not self._taking:  # stopped while the dequeue ran: hand back, newest first
+                with anyio.CancelScope(shield=True):
+                    for late in reversed(taken[position:]):
+                        await self._host._settle(late, "requeue", None)
+                break
+            if process.task in self._cancelled_meanwhile:
+                with anyio.CancelScope(shield=True):
+                    await self._host._settle(process, "cancelled", None)
+                continue
+            self._start(tg, process)
+        return len(taken) == count
+
+    async def _take(self, count: int, *, announced: bool) -> list[Process]:
+        """Dequeue in a task of its own, so that no cancellation can interrupt it
+        midway and leave processes taken in Redis that this consumer does not know
+        about. If this consumer is cancelled meanwhile, what the dequeue took goes
+        back to the queue before the cancellation propagates; if the dequeue outlasts
+        `_TAKE_LIMIT`, whatever it takes later goes back too."""
         self._dequeuing, self._cancelled_meanwhile = True, set()
+        attempt = asyncio.ensure_future(self._host._take(self.queue, count, announced=announced))
         try:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_TAKE_LIMIT):
-                return await self._host._take(self.queue)
-            return None
+            await asyncio.wait({attempt}, timeout=_TAKE_LIMIT)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({attempt}, timeout=_TAKE_LIMIT)
+                await self._hand_back(attempt)
+            raise
         finally:
             self._dequeuing = False
+        if not attempt.done():
+            attempt.add_done_callback(self._hand_back_later)
+            return []
+        return attempt.result()
+
+    async def _hand_back(self, attempt: asyncio.Future[list[Process]]) -> None:
+        """Return the processes of a finished dequeue nobody will run, newest first."""
+        if not attempt.done():
+            attempt.add_done_callback(self._hand_back_later)
+        elif not attempt.cancelled() and attempt.exception() is None:
+            for process in reversed(attempt.result()):
+                await self._host._settle(process, "requeue", None)
+
+    def _hand_back_later(self, attempt: asyncio.Future[list[Process]]) -> None:
+        hand_back = asyncio.ensure_future(self._hand_back(attempt))
+        self._strays.add(hand_back)
+        hand_back.add_done_callback(self._strays.discard)
 
     def _start(self, tg: anyio.abc.TaskGroup, process: Process) -> None:
         scope = anyio.CancelScope()

@@ -13,6 +13,7 @@ import uuid
 
 import anyio
 
+from . import _loop
 from ._embedded import redis_url_or_embedded
 from ._models import Process
 from ._worqr import Worqr
@@ -123,8 +124,8 @@ async def _run(url: str) -> int:
 def run_demo() -> int:
     """Run the demo; 0 when every task was done."""
     with redis_url_or_embedded() as url:
-        return anyio.run(_run, url)
+        return _loop.run(_run, url)
 
 
 if __name__ == "__main__":
-    anyio.run(_peer, sys.argv[1], sys.argv[2], sys.argv[3])
+    _loop.run(_peer, sys.argv[1], sys.argv[2], sys.argv[3])

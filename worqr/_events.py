@@ -128,7 +128,19 @@ class Events:
         self._poke_loop()
 
     def _wanted(self) -> set[str]:
-        return self._pinned | self._listeners.keys() | self._hooks.keys()
+        """The channels to be subscribed: a queue's control channel while it is worked
+        on or listened to, its ``done`` channel only while it has listeners."""
+        control = self._pinned | self._listeners.keys() | self._hooks.keys()
+        return {self._channel(q) for q in control} | {
+            self._channel(q, done=True) for q in self._listeners
+        }
+
+    def _in_sync(self, queue: str, wanted: set[str]) -> bool:
+        """Whether the server-side subscriptions of ``queue`` are the wanted ones."""
+        return all(
+            (channel in wanted) == (channel in self._confirmed)
+            for channel in (self._channel(queue), self._channel(queue, done=True))
+        )
 
     async def settled(self, queue: str) -> None:
         """Wait until the server-side subscription of ``queue`` matches what is wanted.
@@ -137,7 +149,7 @@ class Events:
         `BackendUnavailableError` if Redis does not confirm within a bounded time.
         """
         with anyio.move_on_after(_SETTLE_LIMIT):
-            while (queue in self._wanted()) != (queue in self._confirmed):
+            while not self._in_sync(queue, self._wanted()):
                 if self._closed:
                     raise ClosedError("this Worqr is closed")
                 if self._refused is not None:
@@ -213,10 +225,13 @@ class Events:
 
     async def _serve(self, pubsub: PubSub, reconnecting: bool) -> None:
         requested: set[str] = set()
+        changed: anyio.Event | None = None
+        wanted: set[str] = set()
         while True:
-            changed = self._changed = anyio.Event()
-            wanted = self._wanted()
-            await self._sync(pubsub, requested, wanted)
+            if changed is None or changed.is_set():  # registrations changed: resubscribe
+                changed = self._changed = anyio.Event()
+                wanted = self._wanted()
+                await self._sync(pubsub, requested, wanted)
             if reconnecting and requested and wanted <= self._confirmed:
                 reconnecting = False
                 self._log.info("event subscriber reconnected")
@@ -235,34 +250,36 @@ class Events:
     async def _sync(self, pubsub: PubSub, requested: set[str], wanted: set[str]) -> None:
         add, drop = wanted - requested, requested - wanted
         if add:
-            await pubsub.subscribe(*(self._channel(q) for q in add))
+            await pubsub.subscribe(*add)
             requested |= add
         if drop:
-            await pubsub.unsubscribe(*(self._channel(q) for q in drop))
+            await pubsub.unsubscribe(*drop)
             requested -= drop
         for queue in list(self._settled):
-            if (queue in wanted) == (queue in self._confirmed):
+            if self._in_sync(queue, wanted):
                 self._settled.pop(queue).set()
 
-    def _channel(self, queue: str) -> str:
-        channel = self._keys.events(queue)
+    def _channel(self, queue: str, *, done: bool = False) -> str:
+        channel = self._keys.done(queue) if done else self._keys.events(queue)
         self._queue_of[channel] = queue
         return channel
 
     async def _handle(self, message: dict[str, Any]) -> None:
         kind = text(message["type"])
-        queue = self._queue_of.get(text(message["channel"]))
+        channel = text(message["channel"])
+        queue = self._queue_of.get(channel)
         if queue is None:
+            return
+        if kind == "message":
+            event, _, body = text(message["data"]).partition(":")
+            await self.dispatch(queue, event, body)
             return
         if kind == "subscribe":
             self._refused = None
-            self._confirmed.add(queue)
+            self._confirmed.add(channel)
         elif kind == "unsubscribe":
-            self._confirmed.discard(queue)
-        elif kind == "message":
-            event, _, body = text(message["data"]).partition(":")
-            await self.dispatch(queue, event, body)
+            self._confirmed.discard(channel)
         settled = self._settled.get(queue)
-        if settled is not None and (queue in self._wanted()) == (queue in self._confirmed):
+        if settled is not None and self._in_sync(queue, self._wanted()):
             del self._settled[queue]
             settled.set()

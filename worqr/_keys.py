@@ -79,8 +79,14 @@ class Keys:
         return f"{self.prefix}:q:{{{queue}}}:p:{process_id}"
 
     def events(self, queue: str) -> str:
-        """Pub/sub channel of the queue's events, messages ``type:message``."""
+        """Pub/sub channel of the queue's control events (``work``, ``cancel``,
+        ``delete``), messages ``type:message``; every worker of the queue listens."""
         return f"{self.prefix}:q:{{{queue}}}:events"
+
+    def done(self, queue: str) -> str:
+        """Pub/sub channel of the queue's ``done:<json>`` events: one per finished
+        process, so only peers with listeners subscribe (workers need not hear them)."""
+        return f"{self.prefix}:q:{{{queue}}}:done"
 
     # -- reading names back (the consistency check) ---------------------------------
 

@@ -24,7 +24,7 @@ from redis.exceptions import WatchError
 from ._errors import BackendError, BackendUnavailableError, DuplicateTaskError, redis_boundary
 from ._keys import Keys
 from ._models import FailedTask, Process, WorkerInfo
-from ._names import ProcessRef, new_process_id, parse_process_id
+from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
 
 _T = TypeVar("_T")
 _MAX_ATTEMPTS = 100
@@ -280,47 +280,68 @@ def parse_failed(record: bytes | str) -> FailedTask:
 
 
 @redis_boundary
-async def dequeue(r: Client, keys: Keys, worker_id: str, queue: str) -> Process | None:
-    """Move the task at the head of the queue into a new process of this worker.
+async def dequeue(
+    r: Client, keys: Keys, worker_id: str, queue: str, count: int = 1, *, announced: bool = False
+) -> list[Process]:
+    """Move up to ``count`` tasks from the head of the queue into new processes of
+    this worker, in queue order; an empty list when the queue is empty.
 
-    Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET), holders (SET).
-      1. WATCH p:<id>
-      2. MULTI
-      3. LMOVE tasks p:<id> LEFT RIGHT  -> the task, or nil when the queue is empty
-      4. SADD held:<w> <id>
-      5. SADD holders <w>
-      6. EXEC
-      7. (queue was empty) SREM held:<w> <id>
-    Only this call writes the new p:<id>, so the WATCH never sees a rival; it is there
-    so that a connection lost around EXEC raises instead of letting the client resend
-    the block (a resend would move a second task into the same process). After such
-    a loss, LINDEX p:<id> 0 tells whether the first EXEC took effect: then the process
-    is adopted. The SADDs cannot be conditional on the LMOVE inside MULTI, so an empty
-    dequeue withdraws its id in step 7; an id left behind by a crash there names no
-    process list and goes with the worker's next reclaim.
+    Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET).
+      1. LLEN tasks                       -> 0: return (an idle poll costs one command)
+                                             (skipped when ``announced``: a ``work``
+                                             event just said ``count`` tasks came)
+      2. WATCH p:<id1> ... p:<idk>        (k = min(count, length))
+      3. MULTI
+      4. LMOVE tasks p:<idi> LEFT RIGHT   for i = 1..k -> the task, or nil once empty
+      5. SADD held:<w> <id1> ... <idk>
+      6. SADD holders <w>
+      7. EXEC
+      8. (some LMOVE found the queue empty) SREM held:<w> <unused ids>
+    Only this call writes the new p:<id>s, so the WATCH never sees a rival; it is
+    there so that a connection lost around EXEC raises instead of letting the client
+    resend the block (a resend would move second tasks into the same processes).
+    After such a loss, LINDEX p:<id> 0 for each id tells whether the first EXEC took
+    effect: then its processes are adopted. The SADD cannot be conditional on the
+    LMOVEs inside MULTI, so ids that got no task are withdrawn in step 8; an id left
+    behind by a crash there names no process list and goes with the next reclaim.
     """
-    ref = new_process_id(worker_id, queue)
-    proc, held = keys.process(queue, ref.id), keys.held(queue, worker_id)
+    length = count if announced else await call(r, "LLEN", keys.tasks(queue))
+    if not length:
+        return []
+    refs = [new_process_id(worker_id, queue) for _ in range(min(count, length))]
+    ids = [ref.id for ref in refs]
+    procs = [keys.process(queue, pid) for pid in ids]
+    held = keys.held(queue, worker_id)
+    tasks: list[Any] = []
     async with r.pipeline(transaction=True) as pipe:
         for _ in range(_MAX_ATTEMPTS):
             try:
-                await pipe.watch(proc)
+                await pipe.watch(*procs)
                 pipe.multi()
-                pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
-                pipe.execute_command("SADD", held, ref.id)
+                for proc in procs:
+                    pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
+                pipe.execute_command("SADD", held, *ids)
                 pipe.execute_command("SADD", keys.holders(queue), worker_id)
-                task, _, _ = await pipe.execute()
+                tasks = (await pipe.execute())[: len(procs)]
                 break
             except WatchError:
-                applied = await call(r, "LINDEX", proc, 0)
-                if applied is not None:
-                    return Process(ref.id, text(applied), queue)
+                async with r.pipeline(transaction=False) as reads:
+                    for proc in procs:
+                        reads.execute_command("LINDEX", proc, 0)
+                    tasks = await reads.execute()
+                if any(task is not None for task in tasks):
+                    break  # the lost EXEC was applied: adopt what it took
         else:
             raise BackendError(f"gave up dequeuing from {queue!r} after {_MAX_ATTEMPTS} tries")
-    if task is None:
-        await call(r, "SREM", held, ref.id)
-        return None
-    return Process(ref.id, text(task), queue)
+    taken = [
+        Process(pid, text(task), queue)
+        for pid, task in zip(ids, tasks, strict=True)
+        if task is not None
+    ]
+    if len(taken) < len(ids):
+        unused = [pid for pid, task in zip(ids, tasks, strict=True) if task is None]
+        await call(r, "SREM", held, *unused)
+    return taken
 
 
 async def _end_process(
@@ -363,16 +384,74 @@ async def _end_process(
 async def finish(r: Client, keys: Keys, ref: ProcessRef, result: str | None) -> str | None:
     """Finish a process (see `_end_process`), publishing ``done``; return its task or None.
 
-    6. PUBLISH events done:{"process_id","worker_id","task","result"}
+    6. PUBLISH done done:{"process_id","worker_id","task","result"}
     """
 
     def writes(pipe: Pipeline, task: str) -> None:
         message = json.dumps(
             {"process_id": ref.id, "worker_id": ref.worker_id, "task": task, "result": result}
         )
-        pipe.execute_command("PUBLISH", keys.events(ref.queue), event("done", message))
+        pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", message))
 
     return await _end_process(r, keys, ref, writes)
+
+
+@redis_boundary
+async def finish_many(
+    r: Client, keys: Keys, worker_id: str, queue: str, done: Sequence[tuple[Process, str | None]]
+) -> list[bool]:
+    """Finish processes that this worker dequeued from one queue (so it knows their
+    tasks), in one transaction; return, per process, whether it still existed.
+
+    Each process is fenced as in `finish`: only a process that still exists is ended.
+    Ids are never reused and only `dequeue` writes a process list, so an existing
+    p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
+    LINDEX of `finish`.
+      1. WATCH p:<id1> ... p:<idk>
+      2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH, `finish` each alone
+      3. MULTI
+      4. DEL p:<id1> ... p:<idk>
+      5. SREM held:<w> <id>...
+      6. SREM unique <task>...
+      7. HDEL deaths <sha1>...
+      8. PUBLISH done done:{...}          for each process
+      9. EXEC                             -> nil: back to 1
+    """
+    refs = [split_process_id(process.id) for process, _ in done]
+    if any(ref.worker_id != worker_id or ref.queue != queue for ref in refs):
+        raise ValueError(f"finish_many: every process must be {worker_id}'s in {queue!r}")
+    procs = [keys.process(queue, ref.id) for ref in refs]
+    tasks = [process.task for process, _ in done]
+
+    async def body(pipe: Pipeline) -> bool:
+        if await call(pipe, "EXISTS", *procs) != len(procs):
+            await pipe.reset()
+            return False
+        pipe.multi()
+        pipe.execute_command("DEL", *procs)
+        pipe.execute_command("SREM", keys.held(queue, worker_id), *(ref.id for ref in refs))
+        pipe.execute_command("SREM", keys.unique(queue), *tasks)
+        pipe.execute_command("HDEL", keys.deaths(queue), *{digest(task) for task in tasks})
+        for ref, (process, result) in zip(refs, done, strict=True):
+            message = {
+                "process_id": ref.id,
+                "worker_id": worker_id,
+                "task": process.task,
+                "result": result,
+            }
+            pipe.execute_command("PUBLISH", keys.done(queue), event("done", json.dumps(message)))
+        return True
+
+    if not done:
+        return []
+    whole, _ = await _optimistic(r, procs, body)
+    if whole:
+        return [True] * len(done)
+    # Some process is gone (reclaimed, stopped, its queue deleted): fence one by one.
+    return [
+        await finish(r, keys, ref, result) is not None
+        for ref, (_, result) in zip(refs, done, strict=True)
+    ]
 
 
 @redis_boundary
@@ -858,7 +937,7 @@ async def register(r: Client, registry: str, member: str) -> None:
 
 # -- inspection ---------------------------------------------------------------------------
 
-PROTOCOL_VERSION = "1"
+PROTOCOL_VERSION = "2"
 
 
 @redis_boundary
@@ -866,7 +945,7 @@ async def claim_protocol(r: Client, keys: Keys) -> str:
     """Record this protocol version under the prefix unless one is there; return the
     version found.
 
-      1. SET protocol 1 NX
+      1. SET protocol <PROTOCOL_VERSION> NX
       2. GET protocol
     """
     async with r.pipeline(transaction=False) as pipe:

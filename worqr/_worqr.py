@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from typing_extensions import Self
 
 from . import _ops
+from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
 from ._consumer import Consumer, Handler
 from ._errors import (
@@ -45,12 +46,14 @@ from ._names import (
     check_worker_id,
     new_worker_id,
     parse_process_id,
+    split_process_id,
 )
 from ._ops import call, text
 from ._supervisor import Supervisor
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
 _RECENT = 1000  # dequeue-to-finish times kept per queue for statistics()
+_FINISH_BATCH = 256  # processes finished in one transaction at most
 
 
 class Worqr:
@@ -117,6 +120,7 @@ class Worqr:
         self._supervisor: Supervisor | None = None
         self._working: dict[str, None] = {}
         self._held: dict[str, Process] = {}
+        self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         self._consumers: set[Consumer] = set()
         self._lost = False
         self._epoch = 0
@@ -318,21 +322,25 @@ class Worqr:
         self._require_worker()
         if queue not in self._working:
             raise NotWorkingError(f"this worker has not started work on {queue!r}")
-        return await self._take(queue)
+        taken = await self._take(queue)
+        return taken[0] if taken else None
 
-    async def _take(self, queue: str) -> Process | None:
-        """Dequeue, fenced against a lease loss that happens while the command runs."""
+    async def _take(self, queue: str, count: int = 1, *, announced: bool = False) -> list[Process]:
+        """Dequeue up to ``count`` tasks (see `_ops.dequeue`), fenced against a lease
+        loss that happens while the command runs."""
         if self._lost:
-            return None
+            return []
         epoch = self._epoch
-        process = await _ops.dequeue(self._redis, self._keys, self._worker_id, queue)
-        if process is None:
-            return None
+        taken = await _ops.dequeue(
+            self._redis, self._keys, self._worker_id, queue, count, announced=announced
+        )
         if epoch != self._epoch:
-            await _ops.stop(self._redis, self._keys, parse_process_id(process.id))
-            return None
-        self._held[process.id] = process
-        return process
+            for process in taken:
+                await _ops.stop(self._redis, self._keys, parse_process_id(process.id))
+            return []
+        for process in taken:
+            self._held[process.id] = process
+        return taken
 
     async def finish_process(self, process: Process | str, result: str | None = None) -> bool:
         """Finish a process: its task is done. Publishes ``done``. False (and nothing
@@ -735,38 +743,69 @@ class Worqr:
     async def _settle(self, process: Process, outcome: str, detail: str | None) -> None:
         """Apply a handler's outcome to its process, retrying while Redis is away
         (for at most ``worker_timeout``: after that the lease is lost anyway)."""
-        ref = parse_process_id(process.id)
+        ref = split_process_id(process.id)
         if await self._fenced(ref):  # reported lost with the rest of the worker's leases
             return
         # Forgotten before Redis is asked: if Redis stays away too long, the audit
         # finds the process recorded under this live worker and returns it.
         self._held.pop(process.id, None)
         action: Callable[[], Awaitable[object]]
-        if outcome == "finish":
-            action = lambda: self.finish_process(process, detail)  # noqa: E731
-        elif outcome == "cancelled":
-            action = lambda: self.finish_process(process)  # noqa: E731
+        if outcome in ("finish", "cancelled"):
+            result = detail if outcome == "finish" else None
+            action = lambda: self._finish_batched(process, result)  # noqa: E731
         elif outcome == "fail":
             action = lambda: self._fail_process(ref, detail or "")  # noqa: E731
         elif outcome == "requeue":
             action = lambda: self.stop_process(process)  # noqa: E731
         else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
             return
-        epoch, backoff = self._epoch, 0.05
+        if self._closed:
+            return
+        epoch = self._epoch
+        try:  # outside any cancel scope: the common case costs no timer
+            await action()
+            return
+        except BackendError as exc:
+            self._settle_failed(process, outcome, exc)
         with anyio.move_on_after(self._worker_timeout):
-            while epoch == self._epoch and not self._closed:
+            backoff = 0.05
+            while True:
+                await anyio.sleep(backoff)
+                if epoch != self._epoch or self._closed:
+                    return
                 try:
                     await action()
                     return
                 except BackendError as exc:
-                    self._log.warning(
-                        "could not %s process: %s",
-                        outcome,
-                        exc,
-                        extra={"queue": process.queue, "process_id": process.id},
-                    )
-                    await anyio.sleep(backoff)
-                    backoff = min(backoff * 2, 1.0)
+                    self._settle_failed(process, outcome, exc)
+                backoff = min(backoff * 2, 1.0)
+
+    def _settle_failed(self, process: Process, outcome: str, exc: BackendError) -> None:
+        self._log.warning(
+            "could not %s process: %s",
+            outcome,
+            exc,
+            extra={"queue": process.queue, "process_id": process.id},
+        )
+
+    async def _finish_batched(self, process: Process, result: str | None) -> bool:
+        """Finish a process this peer dequeued, together with the other processes of
+        its queue that end in the same moment (one transaction per batch)."""
+        queue = process.queue
+        finisher = self._finishers.get(queue)
+        if finisher is None:
+
+            async def write(done: Sequence[tuple[Process, str | None]]) -> list[bool]:
+                if self._lost:
+                    return [False] * len(done)
+                return await _ops.finish_many(self._redis, self._keys, self._worker_id, queue, done)
+
+            finisher = self._finishers[queue] = GroupCommit(write, _FINISH_BATCH)
+        finished = await finisher.submit((process, result))
+        ref = split_process_id(process.id)
+        self._held.pop(ref.id, None)
+        self._note(ref, self._completed, process.task if finished else None)
+        return finished
 
     async def _fail_process(self, ref: ProcessRef, error: str) -> bool:
         if await self._fenced(ref):

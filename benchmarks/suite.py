@@ -1,0 +1,562 @@
+"""The benchmark suite: worqr and its peers, same workloads, same server, same run.
+
+``python -m benchmarks.suite [--quick] [--peers worqr,arq,...] [--out DIR]``
+
+It starts its own server on a free loopback port, gives every library a virtual
+environment of its own under ``.bench/venvs/`` (their pins conflict; all get hiredis
+and uvloop), and drives each library's adapter (benchmarks/peers/*_peer.py) through
+the workloads below, repeating each one and keeping the median. It writes
+``benchmarks.md`` (a table: figure, each library, worqr against the best peer, and
+the machine, versions and settings), ``benchmarks.json`` (every sample) and, when
+matplotlib is available, ``benchmarks.png`` into ``--out`` (default docs/).
+
+Workloads: drain 1 and 2 worker processes (no-op handler, tasks queued beforehand,
+Redis commands per task from INFO commandstats), enqueue one at a time and batched,
+Redis memory per queued task, latency from enqueue to handler start for an idle
+worker, recovery after SIGKILL of a worker mid-task with default settings, and, for
+worqr, the Redis commands per second that idle workers' supervision costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from worqr._embedded import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_DIR = ROOT / "benchmarks" / "peers"
+VENVS = ROOT / ".bench" / "venvs"
+COMMON = ["hiredis==3.5.0", "uvloop==0.23.0"]
+REQUIREMENTS: dict[str, list[str]] = {
+    "worqr": [f"{ROOT}[hiredis,uvloop,bench]"],
+    "arq": ["arq==0.28.0", *COMMON],
+    "saq": ["saq[redis]==0.26.4", "typing_extensions", *COMMON],  # it imports it undeclared
+    "taskiq": ["taskiq==0.13.0", "taskiq-redis==1.2.4", *COMMON],
+    "bullmq": ["bullmq==3.4.4", *COMMON],
+    "rq": ["rq==2.12.0", "hiredis==3.5.0"],
+}
+AT_LEAST_ONCE = {"worqr", "saq", "taskiq", "bullmq", "rq"}
+"""Libraries whose workers do not lose a task taken by a worker that dies (arq
+re-runs such jobs too, but only after its in-progress key expires)."""
+ASYNC = {"worqr", "arq", "saq", "taskiq", "bullmq"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each workload is, and how often it is repeated."""
+
+    repetitions: int
+    drain: int
+    slow_drain: int  # for rq, whose worker forks once per job
+    enqueue: int
+    batch: int
+    latency: int
+    recovery_bound: float
+    fleet: tuple[int, ...]
+    fleet_seconds: float
+
+
+QUICK = Sizes(1, 5_000, 500, 2_000, 20_000, 200, 20.0, (10, 20), 3.0)
+FULL = Sizes(3, 20_000, 2_000, 10_000, 100_000, 500, 120.0, (25, 50, 100), 10.0)
+CONCURRENCY = 64
+
+
+@dataclass
+class Results:
+    """Every sample, per library and figure."""
+
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, library: str, figure: str, value: float) -> None:
+        self.samples.setdefault(library, {}).setdefault(figure, []).append(value)
+
+    def note(self, library: str, text: str) -> None:
+        self.notes.setdefault(library, []).append(text)
+
+    def median(self, library: str, figure: str) -> float | None:
+        values = self.samples.get(library, {}).get(figure)
+        return statistics.median(values) if values else None
+
+
+# -- environments ---------------------------------------------------------------------
+
+
+def python_of(library: str, overrides: dict[str, str]) -> str:
+    """The interpreter of a library's venv, created and filled on first use."""
+    if library in overrides:
+        return overrides[library]
+    venv = VENVS / library
+    python = venv / "bin" / "python"
+    wanted = hashlib.sha256(
+        "\n".join(REQUIREMENTS[library]).encode() + _source_digest(library)
+    ).hexdigest()
+    stamp = venv / ".requirements.sha256"
+    if python.exists() and stamp.exists() and stamp.read_text().strip() == wanted:
+        return str(python)
+    print(f"==> preparing {venv}", flush=True)
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", *REQUIREMENTS[library]], check=True
+    )
+    stamp.write_text(wanted + "\n")
+    return str(python)
+
+
+def _source_digest(library: str) -> bytes:
+    """worqr is installed from this checkout: reinstall when its code changes."""
+    if library != "worqr":
+        return b""
+    files = [*sorted((ROOT / "worqr").glob("*.py")), ROOT / "pyproject.toml"]
+    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).digest()
+
+
+def versions(python: str, library: str) -> str:
+    """The installed version of a library in its venv."""
+    name = {"taskiq": "taskiq taskiq-redis"}.get(library, library)
+    code = (
+        "import importlib.metadata as m, sys;"
+        "print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))"
+    )
+    out = subprocess.run([python, "-c", code, *name.split()], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+# -- running adapters -------------------------------------------------------------------
+
+
+class Adapter:
+    """One library's adapter script, run with that library's interpreter."""
+
+    def __init__(self, library: str, python: str, url: str, queue: str) -> None:
+        self.library = library
+        self.python = python
+        self.url = url
+        self.queue = queue
+
+    def argv(self, mode: str, *args: str) -> list[str]:
+        loop = ["--uvloop"] if self.library in ASYNC else []
+        script = str(PEERS_DIR / f"{self.library}_peer.py")
+        return [self.python, script, mode, "--url", self.url, "--queue", self.queue, *loop, *args]
+
+    def run(self, mode: str, *args: str, timeout: float = 600) -> dict[str, Any]:
+        """Run a mode to its end and return its JSON result line (``produce`` has none)."""
+        done = subprocess.run(
+            self.argv(mode, *args),
+            cwd=PEERS_DIR,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not (lines or mode == "produce"):
+            raise RuntimeError(
+                f"{self.library} {mode} failed ({done.returncode}): {done.stderr[-2000:]}"
+            )
+        result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+        return result
+
+    @contextlib.contextmanager
+    def worker(self, *args: str) -> Iterator[Lines]:
+        """A `worker` process for the block, its output lines read in a thread."""
+        process = subprocess.Popen(
+            self.argv("worker", "--concurrency", str(CONCURRENCY), *args),
+            cwd=PEERS_DIR,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        lines = Lines(process)
+        try:
+            yield lines
+        finally:
+            lines.close()
+
+
+class Lines:
+    """The ``ready`` and ``S <payload> <time>`` lines of a worker process."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.ready = threading.Event()
+        self.starts: list[tuple[str, float]] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            words = line.split()
+            with self._changed:
+                if words == ["ready"]:
+                    self.ready.set()
+                elif len(words) == 3 and words[0] == "S":
+                    self.starts.append((words[1], float(words[2])))
+                self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Kill the process (if still running) and release its pipe."""
+        with contextlib.suppress(ProcessLookupError):
+            self.kill()
+        self.process.wait(timeout=30)
+        self._reader.join(timeout=10)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+
+
+def commands(redis: Redis) -> int:
+    """Commands the server ran since the last CONFIG RESETSTAT (the reset excluded)."""
+    stats: dict[str, dict[str, Any]] = redis.info("commandstats")  # type: ignore[assignment]
+    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_config|resetstat")
+
+
+# -- workloads ----------------------------------------------------------------------------
+
+
+def fill(adapter: Adapter, n: int) -> None:
+    """Queue n tasks, batched where the library can."""
+    if "unsupported" in adapter.run("enqueue", "--n", str(n), "--batch"):
+        adapter.run("enqueue", "--n", str(n))
+
+
+def drain(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
+    redis.flushall()
+    fill(adapter, n)
+    redis.config_resetstat()
+    out = adapter.run(
+        "drain", "--expect", str(n), "--concurrency", str(CONCURRENCY), timeout=max(600, n)
+    )
+    results.add(adapter.library, "drain_1", out["count"] / (out["last_end"] - out["started"]))
+    results.add(adapter.library, "commands_per_task", commands(redis) / n)
+
+
+def drain_two(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
+    redis.flushall()
+    fill(adapter, n)
+    argv = adapter.argv("drain", "--concurrency", str(CONCURRENCY))
+    procs = [
+        subprocess.Popen(argv, cwd=PEERS_DIR, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outs = [json.loads(p.communicate(timeout=max(600, n))[0].splitlines()[-1]) for p in procs]
+    count = sum(out["count"] for out in outs)
+    span = max(out["last_end"] for out in outs) - min(out["started"] for out in outs)
+    if count != n:
+        results.note(adapter.library, f"2-process drain ran {count} of {n} tasks")
+    results.add(adapter.library, "drain_2", count / span)
+
+
+def enqueue(adapter: Adapter, redis: Redis, sizes: Sizes, results: Results) -> None:
+    redis.flushall()
+    out = adapter.run("enqueue", "--n", str(sizes.enqueue))
+    results.add(adapter.library, "enqueue_single", sizes.enqueue / out["seconds"])
+    redis.flushall()
+    before = int(redis.info("memory")["used_memory"])
+    out = adapter.run("enqueue", "--n", str(sizes.batch), "--batch")
+    queued = sizes.batch
+    if "unsupported" in out:
+        results.note(adapter.library, f"no batch enqueue: {out['unsupported']}")
+        redis.flushall()
+        before = int(redis.info("memory")["used_memory"])
+        adapter.run("enqueue", "--n", str(sizes.enqueue))
+        queued = sizes.enqueue
+    else:
+        results.add(adapter.library, "enqueue_batch", sizes.batch / out["seconds"])
+    after = int(redis.info("memory")["used_memory"])
+    results.add(adapter.library, "bytes_per_task", (after - before) / queued)
+
+
+def latency(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
+    redis.flushall()
+    with adapter.worker() as lines:
+        if not lines.ready.wait(60):
+            raise RuntimeError(f"{adapter.library} worker never became ready")
+        time.sleep(1.0)
+        adapter.run("produce", "--n", str(n), "--interval", "0.005")
+        lines.wait_for(lambda: len(lines.starts) >= n, timeout=60)
+    delays = sorted(started - float(payload) for payload, started in lines.starts)
+    if len(delays) < n:
+        results.note(adapter.library, f"latency: only {len(delays)} of {n} tasks started")
+    if delays:
+        results.add(adapter.library, "latency_p50_ms", 1000 * delays[len(delays) // 2])
+        results.add(adapter.library, "latency_p99_ms", 1000 * delays[int(len(delays) * 0.99)])
+
+
+def recovery(adapter: Adapter, redis: Redis, bound: float, results: Results) -> bool:
+    """SIGKILL the worker running the task; time until the other one starts it.
+    Returns False if it was not restarted within ``bound`` seconds."""
+    redis.flushall()
+    with adapter.worker("--hang") as first, adapter.worker("--hang") as second:
+        if not (first.ready.wait(60) and second.ready.wait(60)):
+            raise RuntimeError(f"{adapter.library} workers never became ready")
+        time.sleep(1.0)
+        adapter.run("produce", "--n", "1")
+        if not first.wait_for(lambda: bool(first.starts or second.starts), timeout=30):
+            raise RuntimeError(f"{adapter.library}: nobody started the task")
+        victim, survivor = (first, second) if first.starts else (second, first)
+        victim.kill()
+        killed = time.time()
+        if not survivor.wait_for(lambda: bool(survivor.starts), timeout=bound):
+            results.note(adapter.library, f"recovery: not restarted within {bound:g} s")
+            return False
+        results.add(adapter.library, "recovery_s", survivor.starts[0][1] - killed)
+        return True
+
+
+def fleet(adapter: Adapter, redis: Redis, workers: int, seconds: float, results: Results) -> None:
+    """Commands per second of ``workers`` idle worqr workers (heartbeats, cleanup)."""
+    redis.flushall()
+    process = subprocess.Popen(
+        adapter.argv("fleet", "--workers", str(workers)),
+        cwd=PEERS_DIR,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError("the fleet never became ready")
+        time.sleep(1.0)
+        redis.config_resetstat()
+        time.sleep(seconds)
+        results.add("worqr", f"idle_{workers}_commands_per_s", commands(redis) / seconds)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+        process.stdout.close()
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[Results, dict]:
+    results = Results()
+    meta: dict[str, Any] = {"versions": {}, "concurrency": CONCURRENCY, "sizes": sizes.__dict__}
+    with EmbeddedServer() as server:
+        redis = Redis.from_url(server.url, decode_responses=True)
+        meta["server"] = f"{Path(server.binary).name} {redis.info('server')['redis_version']}"
+        for library in libraries:
+            python = python_of(library, overrides)
+            meta["versions"][library] = versions(python, library)
+            adapter = Adapter(library, python, server.url, "bench")
+            print(f"==> {library}", flush=True)
+            n = sizes.slow_drain if library == "rq" else sizes.drain
+            if library == "rq":
+                results.note("rq", f"drains {n} tasks (its worker forks once per job)")
+            recovering = True
+            for _ in range(sizes.repetitions):
+                drain(adapter, redis, n, results)
+                drain_two(adapter, redis, n, results)
+                enqueue(adapter, redis, sizes, results)
+                latency(adapter, redis, sizes.latency, results)
+                if recovering:
+                    recovering = recovery(adapter, redis, sizes.recovery_bound, results)
+            if library == "worqr":
+                for workers in sizes.fleet:
+                    fleet(adapter, redis, workers, sizes.fleet_seconds, results)
+        redis.close()
+    return results, meta
+
+
+FIGURES = [
+    ("drain_1", "Drain, 1 process (tasks/s)", True),
+    ("drain_2", "Drain, 2 processes (tasks/s)", True),
+    ("enqueue_single", "Enqueue, one at a time (tasks/s)", True),
+    ("enqueue_batch", "Enqueue, batched (tasks/s)", True),
+    ("latency_p50_ms", "Latency p50, idle worker (ms)", False),
+    ("latency_p99_ms", "Latency p99, idle worker (ms)", False),
+    ("recovery_s", "Recovery after SIGKILL (s)", False),
+    ("commands_per_task", "Redis commands per task (drain)", False),
+    ("bytes_per_task", "Redis memory per queued task (bytes)", False),
+]
+
+
+def table(results: Results, libraries: list[str]) -> str:
+    """The markdown table: each figure's median per library and worqr / best peer."""
+    peers = [lib for lib in libraries if lib != "worqr"]
+    head = ["figure", *libraries, "worqr vs best peer"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, title, higher_is_better in FIGURES:
+        cells = [title]
+        for library in libraries:
+            value = results.median(library, key)
+            cells.append("n/a" if value is None else _fmt(value))
+        ours = results.median("worqr", key)
+        theirs = [v for v in (results.median(p, key) for p in peers) if v is not None]
+        if key == "drain_1":
+            theirs = [
+                v for p in peers if p in AT_LEAST_ONCE and (v := results.median(p, key)) is not None
+            ]
+        if ours and theirs:
+            best = max(theirs) if higher_is_better else min(theirs)
+            ratio = ours / best if higher_is_better else best / ours
+            cells.append(f"{ratio:.2f}x")
+        else:
+            cells.append("")
+        rows.append("| " + " | ".join(cell.strip() for cell in cells) + " |")
+    return "\n".join(rows)
+
+
+def _fmt(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}"
+
+
+SETTINGS = """\
+- Every library runs its normal worker in one process per worker, with
+  concurrency {concurrency} (arq `max_jobs`, SAQ `concurrency`, taskiq
+  `max_async_tasks`, BullMQ `concurrency`, worqr `consume(concurrency=)`; RQ's forking
+  worker runs one job at a time) and every other setting at its default; each
+  adapter's docstring in benchmarks/peers/ says which defaults matter and why.
+- Async libraries run under uvloop; every library's venv has hiredis.
+- Drain: {drain:,} no-op tasks queued beforehand (RQ: {slow_drain:,}), timed from the
+  worker's start to the last handler's end. 2 processes: the same, two workers at once.
+- Enqueue: {enqueue:,} tasks one awaited call at a time; batched: {batch:,} tasks in
+  calls of 1,000 (libraries without a batch call show n/a).
+- Latency: an idle worker, {latency} tasks enqueued 5 ms apart; from the producer's
+  clock before the enqueue call to the handler's first line.
+- Recovery: two idle workers; the one that starts the task is SIGKILLed; time until
+  the other starts it, waiting at most {recovery_bound:g} s.
+- Commands per task: INFO commandstats over the 1-process drain, startup and
+  shutdown included. Memory: used_memory after the batched (else one-at-a-time)
+  enqueue, minus before, per task.
+- {repetitions} repetition(s) of everything; medians.
+"""
+
+
+def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str]) -> None:
+    """docs/benchmarks.md (and .json, .png) from one run."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "samples": results.samples, "notes": results.notes}
+    (out / "benchmarks.json").write_text(json.dumps(payload, indent=2) + "\n")
+    fleet_rows = [
+        f"| {key.split('_')[1]} | {_fmt(statistics.median(values))} |"
+        for key, values in results.samples.get("worqr", {}).items()
+        if key.startswith("idle_")
+    ]
+    notes = [f"- {lib}: {text}" for lib, texts in results.notes.items() for text in texts]
+    chart = _chart(out, meta)
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Run {meta['date']} in {meta['mode']} mode with `python3 dev.py bench"
+        f"{' --quick' if meta['mode'] == 'quick' else ''}` on {meta['machine']};"
+        f" Python {meta['python']}, server {meta['server']} on loopback, started by the suite.",
+        "",
+        "Versions: " + ", ".join(meta["versions"].values()) + ".",
+        "",
+        table(results, libraries),
+        "",
+        "The last column is worqr's figure over the best peer's, turned so that above 1",
+        "means worqr is better (for drain, the best at-least-once peer: arq can lose a",
+        "task whose worker dies until its job times out).",
+        "",
+        *([f"![Benchmarks]({chart})", ""] if chart else []),
+        "## Supervision cost of idle workers (worqr)",
+        "",
+        "Redis commands per second spent by idle workers (heartbeats, the lease-gated",
+        "cleanup scan, idle polls); it grows linearly with the number of workers.",
+        "",
+        "| idle workers | Redis commands/s |",
+        "|---|---|",
+        *fleet_rows,
+        "",
+        "## Settings",
+        "",
+        SETTINGS.format(concurrency=meta["concurrency"], **meta["sizes"]).rstrip(),
+        "",
+        *(["## Notes from this run", "", *notes, ""] if notes else []),
+    ]
+    (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
+    print(table(results, libraries))
+    print("\n".join(notes))
+
+
+def _chart(out: Path, meta: dict[str, Any]) -> str | None:
+    """Render benchmarks.png with benchmarks/chart.py; None if matplotlib is missing."""
+    python = meta.get("chart_python")
+    if not python:
+        return None
+    done = subprocess.run(
+        [python, str(ROOT / "benchmarks" / "chart.py"), str(out / "benchmarks.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(f"no chart: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return "benchmarks.png"
+
+
+def machine() -> str:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
+    parser.add_argument("--peers", default=",".join(REQUIREMENTS), help="libraries to run")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="LIB=PATH",
+        help="use this interpreter for a library instead of making a venv",
+    )
+    args = parser.parse_args(argv)
+    libraries = [lib for lib in args.peers.split(",") if lib]
+    unknown = set(libraries) - set(REQUIREMENTS)
+    if unknown:
+        parser.error(f"unknown libraries: {', '.join(sorted(unknown))}")
+    overrides = {
+        lib: os.path.abspath(path) for lib, path in (item.split("=", 1) for item in args.python)
+    }
+    results, meta = run(libraries, QUICK if args.quick else FULL, overrides)
+    meta["machine"] = machine()
+    meta["python"] = platform.python_version()
+    meta["mode"] = "quick" if args.quick else "full"
+    meta["date"] = time.strftime("%Y-%m-%d")
+    meta["chart_python"] = python_of("worqr", overrides)
+    write(args.out, results, meta, libraries)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
