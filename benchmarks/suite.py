@@ -49,7 +49,8 @@ REQUIREMENTS: dict[str, list[str]] = {
     "arq": ["arq==0.28.0", *COMMON],
     "saq": ["saq[redis]==0.26.4", "typing_extensions", *COMMON],  # it imports it undeclared
     "taskiq": ["taskiq==0.13.0", "taskiq-redis==1.2.4", *COMMON],
-    "bullmq": ["bullmq==3.4.4", *COMMON],
+    # redis-py 8's 5 s socket timeout equals BullMQ's idle block: keep the 7.x client.
+    "bullmq": ["bullmq==3.4.4", "redis==7.4.1", *COMMON],
     "rq": ["rq==2.12.0", "hiredis==3.5.0"],
 }
 AT_LEAST_ONCE = {"worqr", "saq", "taskiq", "bullmq", "rq"}
@@ -220,7 +221,11 @@ class Lines:
             return self._changed.wait_for(predicate, timeout)
 
     def kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL the worker and everything it started (RQ's work horse runs in a
+        process group of its own, so the group alone is not enough)."""
+        for pid in [*_descendants(self.process.pid), self.process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Kill the process (if still running) and release its pipe."""
@@ -230,6 +235,16 @@ class Lines:
         self._reader.join(timeout=10)
         assert self.process.stdout is not None
         self.process.stdout.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc (Linux)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
 
 
 def commands(redis: Redis) -> int:
@@ -371,14 +386,19 @@ def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[
             n = sizes.slow_drain if library == "rq" else sizes.drain
             if library == "rq":
                 results.note("rq", f"drains {n} tasks (its worker forks once per job)")
-            recovering = True
-            for _ in range(sizes.repetitions):
-                drain(adapter, redis, n, results)
-                drain_two(adapter, redis, n, results)
-                enqueue(adapter, redis, sizes, results)
-                latency(adapter, redis, sizes.latency, results)
-                if recovering:
-                    recovering = recovery(adapter, redis, sizes.recovery_bound, results)
+            try:
+                recovering = True
+                for _ in range(sizes.repetitions):
+                    drain(adapter, redis, n, results)
+                    drain_two(adapter, redis, n, results)
+                    enqueue(adapter, redis, sizes, results)
+                    latency(adapter, redis, sizes.latency, results)
+                    if recovering:
+                        recovering = recovery(adapter, redis, sizes.recovery_bound, results)
+            except (RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+                if library == "worqr":
+                    raise
+                results.note(library, f"run failed: {exc}"[:300])
             if library == "worqr":
                 for workers in sizes.fleet:
                     fleet(adapter, redis, workers, sizes.fleet_seconds, results)
@@ -475,6 +495,14 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
         "Versions: " + ", ".join(meta["versions"].values()) + ".",
         "",
         table(results, libraries),
+        "",
+        "Drain with 2 processes over drain with 1 (scaling): "
+        + ", ".join(
+            f"{lib} {d2 / d1:.2f}x"
+            for lib in libraries
+            if (d1 := results.median(lib, "drain_1")) and (d2 := results.median(lib, "drain_2"))
+        )
+        + ".",
         "",
         "The last column is worqr's figure over the best peer's, turned so that above 1",
         "means worqr is better (for drain, the best at-least-once peer: arq can lose a",

@@ -12,12 +12,11 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import anyio
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ._connections import pool_without_retries
 from ._errors import (
     AuthenticationFailedError,
     BackendError,
@@ -37,18 +36,6 @@ Hook = Callable[[str, str], None]
 _POLL = 0.05
 _MAX_BACKOFF = 2.0
 _SETTLE_LIMIT = 10.0
-
-
-def _pool_without_retries(client: Redis) -> ConnectionPool:
-    """A pool like the client's, whose connections never retry.
-
-    redis-py would otherwise reconnect and resubscribe silently, and the subscriber
-    could not know that it may have missed messages; without retries the loss
-    surfaces here and the re-check after a reconnect runs.
-    """
-    pool = client.connection_pool
-    options = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-    return ConnectionPool(connection_class=pool.connection_class, **options)
 
 
 class Subscribed:
@@ -75,7 +62,7 @@ class Events:
         log: PeerLog,
     ) -> None:
         self._log = log
-        self._pool = _pool_without_retries(client)
+        self._pool = pool_without_retries(client)
         self._keys = keys
         self._on_reconnect = on_reconnect
         self._listeners: dict[str, list[Listener]] = {}

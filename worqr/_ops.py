@@ -281,58 +281,60 @@ def parse_failed(record: bytes | str) -> FailedTask:
 
 @redis_boundary
 async def dequeue(
-    r: Client, keys: Keys, worker_id: str, queue: str, count: int = 1, *, announced: bool = False
+    r: Client,
+    once: Client,
+    keys: Keys,
+    worker_id: str,
+    queue: str,
+    count: int = 1,
+    *,
+    announced: bool = False,
 ) -> list[Process]:
     """Move up to ``count`` tasks from the head of the queue into new processes of
     this worker, in queue order; an empty list when the queue is empty.
 
+    ``once`` is a client whose connections never resend (see `_connections`): the
+    transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each id
+    tells whether it took effect: then its processes are adopted, else it runs again.
     Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET).
       1. LLEN tasks                       -> 0: return (an idle poll costs one command)
                                              (skipped when ``announced``: a ``work``
                                              event just said ``count`` tasks came)
-      2. WATCH p:<id1> ... p:<idk>        (k = min(count, length))
-      3. MULTI
-      4. LMOVE tasks p:<idi> LEFT RIGHT   for i = 1..k -> the task, or nil once empty
-      5. SADD held:<w> <id1> ... <idk>
-      6. SADD holders <w>
-      7. EXEC
-      8. (some LMOVE found the queue empty) SREM held:<w> <unused ids>
-    Only this call writes the new p:<id>s, so the WATCH never sees a rival; it is
-    there so that a connection lost around EXEC raises instead of letting the client
-    resend the block (a resend would move second tasks into the same processes).
-    After such a loss, LINDEX p:<id> 0 for each id tells whether the first EXEC took
-    effect: then its processes are adopted. The SADD cannot be conditional on the
-    LMOVEs inside MULTI, so ids that got no task are withdrawn in step 8; an id left
-    behind by a crash there names no process list and goes with the next reclaim.
+      2. MULTI                            (k = min(count, length))
+      3. LMOVE tasks p:<idi> LEFT RIGHT   for i = 1..k -> the task, or nil once empty
+      4. SADD held:<w> <id1> ... <idk>
+      5. SADD holders <w>
+      6. EXEC
+      7. (some LMOVE found the queue empty) SREM held:<w> <unused ids>
+    The SADD cannot be conditional on the LMOVEs inside MULTI, so ids that got no task
+    are withdrawn in step 7; an id left behind by a crash there names no process list
+    and goes with the next reclaim.
     """
     length = count if announced else await call(r, "LLEN", keys.tasks(queue))
     if not length:
         return []
-    refs = [new_process_id(worker_id, queue) for _ in range(min(count, length))]
-    ids = [ref.id for ref in refs]
+    ids = [new_process_id(worker_id, queue).id for _ in range(min(count, length))]
     procs = [keys.process(queue, pid) for pid in ids]
     held = keys.held(queue, worker_id)
     tasks: list[Any] = []
-    async with r.pipeline(transaction=True) as pipe:
-        for _ in range(_MAX_ATTEMPTS):
-            try:
-                await pipe.watch(*procs)
-                pipe.multi()
+    for _ in range(_MAX_ATTEMPTS):
+        try:
+            async with once.pipeline(transaction=True) as pipe:
                 for proc in procs:
                     pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
                 pipe.execute_command("SADD", held, *ids)
                 pipe.execute_command("SADD", keys.holders(queue), worker_id)
                 tasks = (await pipe.execute())[: len(procs)]
-                break
-            except WatchError:
-                async with r.pipeline(transaction=False) as reads:
-                    for proc in procs:
-                        reads.execute_command("LINDEX", proc, 0)
-                    tasks = await reads.execute()
-                if any(task is not None for task in tasks):
-                    break  # the lost EXEC was applied: adopt what it took
-        else:
-            raise BackendError(f"gave up dequeuing from {queue!r} after {_MAX_ATTEMPTS} tries")
+            break
+        except (RedisConnectionError, RedisTimeoutError):
+            async with r.pipeline(transaction=False) as reads:
+                for proc in procs:
+                    reads.execute_command("LINDEX", proc, 0)
+                tasks = await reads.execute()
+            if any(task is not None for task in tasks):
+                break  # the lost EXEC was applied: adopt what it took
+    else:
+        raise BackendError(f"gave up dequeuing from {queue!r} after {_MAX_ATTEMPTS} tries")
     taken = [
         Process(pid, text(task), queue)
         for pid, task in zip(ids, tasks, strict=True)

@@ -23,6 +23,7 @@ from typing_extensions import Self
 from . import _ops
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
+from ._connections import client_without_retries
 from ._consumer import Consumer, Handler
 from ._errors import (
     BackendError,
@@ -110,6 +111,7 @@ class Worqr:
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._log = PeerLog(self._worker_id)
         self._redis = redis
+        self._once = client_without_retries(redis)  # dequeue's transactions: never resent
         self._keys = Keys(check_prefix(prefix))
         self._owned: list[Redis] = []
         self._events = Events(subscriber or redis, self._keys, self._after_reconnect, self._log)
@@ -123,6 +125,7 @@ class Worqr:
         self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         self._consumers: set[Consumer] = set()
         self._lost = False
+        self._recovering = anyio.Lock()
         self._epoch = 0
         self._closed = False
         self._completed: Counter[str] = Counter()
@@ -245,6 +248,7 @@ class Worqr:
         if self._runner is not None:
             await self._runner
         await self._events.close()
+        await self._once.aclose()
         for client in self._owned:
             await client.aclose()
 
@@ -332,7 +336,7 @@ class Worqr:
             return []
         epoch = self._epoch
         taken = await _ops.dequeue(
-            self._redis, self._keys, self._worker_id, queue, count, announced=announced
+            self._redis, self._once, self._keys, self._worker_id, queue, count, announced=announced
         )
         if epoch != self._epoch:
             for process in taken:
@@ -612,16 +616,24 @@ class Worqr:
             self._log.warning("re-registration deferred: %s", exc)
 
     async def _recover_leases(self) -> None:
-        """Hand back whatever is still recorded under this worker and register anew."""
-        await self._fail_dead(self._worker_id, only_if_dead=False)
-        await _ops.register_worker(
-            self._redis,
-            self._keys,
-            self._worker_id,
-            max(1, round(self._worker_timeout * 1000)),
-            self._working,
-        )
-        self._lost = False
+        """Hand back whatever is still recorded under this worker and register anew.
+
+        One recovery at a time (the fenced finish and the supervisor may both start
+        one): a second one running after the first re-registered would hand back
+        processes taken since, while their handlers run.
+        """
+        async with self._recovering:
+            if not self._lost:
+                return
+            await self._fail_dead(self._worker_id, only_if_dead=False)
+            await _ops.register_worker(
+                self._redis,
+                self._keys,
+                self._worker_id,
+                max(1, round(self._worker_timeout * 1000)),
+                self._working,
+            )
+            self._lost = False
         if self._supervisor is not None:
             self._supervisor.refreshed()
         self._log.info("worker re-registered")

@@ -1,0 +1,117 @@
+"""The benchmark adapter for arq 0.28 (see common.py for the modes).
+
+arq's own ``Worker`` runs in-process through ``async_run``, on a pool made with
+``create_pool``, with ``max_jobs=--concurrency`` and every other setting left at its
+default. These defaults matter for the figures:
+
+* ``poll_delay=0.5``: the worker looks for due jobs every 0.5 s, so a task enqueued
+  into an idle worker waits up to 0.5 s (0.25 s on average) before it starts.
+* ``queue_read_limit=max(5 * max_jobs, 100)``: a poll starts at most that many jobs
+  and the next poll comes 0.5 s after the last one began, so a drain cannot beat
+  ``queue_read_limit / poll_delay`` jobs/s (640/s at max_jobs=64, 2000/s at 200).
+* ``keep_result=3600``: every finished job writes a result key, kept for an hour.
+* ``job_timeout=300``: a job is cancelled after 5 min. Its in-progress key expires
+  ``job_timeout + 10`` = 310 s after it started, so a job whose worker was SIGKILLed
+  stays in the queue untouched until then; only then can another worker run it again
+  (``max_tries=5``).
+* ``handle_signals=True``: SIGINT/SIGTERM stop the worker, as with arq's CLI.
+
+arq has no batch enqueue, so ``enqueue --batch`` reports unsupported. Each
+``enqueue_job`` call gets a fresh random job id (uuid4), so no task is deduplicated.
+Logging is left unconfigured (arq's CLI would log every job at INFO).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.worker import Worker, func
+from common import DrainClock, Schedule, emit, parse_args, run, say, started
+
+ARGS = parse_args()
+TASK = "task"  # the function name jobs are enqueued under and registered as
+Ctx = dict[Any, Any]
+
+
+async def connect() -> ArqRedis:
+    return await create_pool(RedisSettings.from_dsn(ARGS.url), default_queue_name=ARGS.queue)
+
+
+def make_worker(
+    task: Callable[[Ctx, str], Awaitable[None]], redis: ArqRedis, **hooks: Any
+) -> Worker:
+    return Worker(
+        [func(task, name=TASK)],  # type: ignore[arg-type]
+        queue_name=ARGS.queue,
+        redis_pool=redis,
+        max_jobs=ARGS.concurrency,
+        **hooks,
+    )
+
+
+async def enqueue() -> None:
+    if ARGS.batch:
+        emit({"unsupported": "arq has no batch enqueue: one enqueue_job transaction per job"})
+        return
+    redis = await connect()
+    begun = time.perf_counter()
+    for i in range(ARGS.n):
+        await redis.enqueue_job(TASK, str(i))
+    emit({"seconds": time.perf_counter() - begun})
+    await redis.aclose()
+
+
+async def drain() -> None:
+    clock = DrainClock(ARGS.expect)
+
+    async def task(ctx: Ctx, payload: str) -> None:
+        clock.tick()
+
+    worker = make_worker(task, await connect())
+    clock.start()
+    main = asyncio.create_task(worker.async_run())
+    await clock.wait()
+    # arq's SIGTERM handler cancels running jobs, and close() then fails on them, so
+    # first stop picking and let the jobs in flight record their end.
+    worker.allow_pick_jobs = False
+    while pending := [t for t in worker.tasks.values() if not t.done()]:
+        await asyncio.wait(pending)
+    worker.handle_sig(signal.SIGTERM)
+    with contextlib.suppress(asyncio.CancelledError):
+        await main
+    await worker.close()
+    emit(clock.result())
+
+
+async def worker() -> None:
+    async def task(ctx: Ctx, payload: str) -> None:
+        started(payload)
+        if ARGS.hang:
+            await asyncio.sleep(3600)
+
+    async def ready(ctx: Ctx) -> None:  # on_startup runs right before the first poll
+        say("ready")
+
+    arq_worker = make_worker(task, await connect(), on_startup=ready)
+    with contextlib.suppress(asyncio.CancelledError):  # how SIGTERM ends async_run
+        await arq_worker.async_run()
+    await arq_worker.close()
+
+
+async def produce() -> None:
+    redis = await connect()
+    schedule = Schedule(ARGS.interval)
+    for _ in range(ARGS.n):
+        await redis.enqueue_job(TASK, repr(time.time()))
+        await schedule.next()
+    await redis.aclose()
+
+
+MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

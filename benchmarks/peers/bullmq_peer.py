@@ -1,0 +1,102 @@
+"""The benchmark adapter for BullMQ's Python port, ``bullmq`` (see common.py for the modes).
+
+Tasks are jobs named ``task`` whose data is ``{"payload": str}``. ``enqueue`` adds them
+with ``Queue.add``, or with ``--batch`` with ``Queue.addBulk`` (one MULTI pipeline of
+``addStandardJob`` scripts) in chunks of `BATCH`. The worker is ``bullmq.Worker`` with
+``concurrency`` from ``--concurrency`` and every other option at its default:
+
+- ``lockDuration`` 30 000 ms (renewed every ``lockRenewTime`` = 15 000 ms) and
+  ``stalledInterval`` 30 000 ms, ``maxStalledCount`` 1. After a SIGKILL the dead
+  worker's lock expires within 30 s; a surviving worker's stalled check, every 30 s
+  from its start, first marks the active job and at the next run, once the lock is
+  gone, moves it back to ``wait``: recovery takes 30-60 s (up to 90 s if the lock
+  had just been renewed), and a job stalled twice fails.
+- ``removeOnComplete``/``removeOnFail`` unset: finished jobs stay in Redis (hash
+  plus ``completed`` zset entry). Kept as the default: removing them costs about as
+  much per job as recording them, so it does not change what a drain measures; Redis
+  memory grows with every run, so the suite should flush between runs.
+- ``drainDelay`` 5 s: the idle worker blocks in BZPOPMIN on the queue's marker key
+  for up to 5 s, and is woken by every add, so it does not delay pickup.
+
+Every job also appends to the queue's events stream (XADD, capped near 10 000).
+
+The venv pins redis-py below 8: from 8.0 its default ``socket_timeout`` is 5 s, equal
+to ``drainDelay``, so an idle worker's BZPOPMIN times out on the client and redis-py
+retries with backoff growing to 20 s, during which new jobs wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from bullmq import Job, Queue, Worker  # type: ignore[import-untyped]
+from common import DrainClock, Schedule, emit, parse_args, run, say, started
+
+ARGS = parse_args()
+BATCH = 1000
+NAME = "task"
+
+
+def connection() -> dict[str, Any]:
+    return {"connection": ARGS.url}
+
+
+def task(payload: str) -> dict[str, Any]:
+    return {"name": NAME, "data": {"payload": payload}}
+
+
+async def enqueue() -> None:
+    queue = Queue(ARGS.queue, connection())
+    begun = time.perf_counter()
+    if ARGS.batch:
+        for first in range(0, ARGS.n, BATCH):
+            last = min(ARGS.n, first + BATCH)
+            await queue.addBulk([task(str(i)) for i in range(first, last)])
+    else:
+        for i in range(ARGS.n):
+            await queue.add(NAME, {"payload": str(i)})
+    emit({"seconds": time.perf_counter() - begun})
+    await queue.close()
+
+
+async def drain() -> None:
+    clock = DrainClock(ARGS.expect)
+
+    async def process(job: Job, token: str) -> None:
+        clock.tick()
+
+    worker = Worker(ARGS.queue, process, {**connection(), "concurrency": ARGS.concurrency})
+    clock.start()
+    await clock.wait()
+    await worker.close()
+    emit(clock.result())
+
+
+async def worker() -> None:
+    async def process(job: Job, token: str) -> None:
+        started(job.data["payload"])
+        if ARGS.hang:
+            await asyncio.sleep(3600)
+
+    # The worker starts its loop as a background task and signals nothing when it has
+    # connected: poll its flag.
+    consumer = Worker(ARGS.queue, process, {**connection(), "concurrency": ARGS.concurrency})
+    while not consumer.running:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    say("ready")
+    await asyncio.sleep(3600)
+
+
+async def produce() -> None:
+    queue = Queue(ARGS.queue, connection())
+    schedule = Schedule(ARGS.interval)
+    for _ in range(ARGS.n):
+        await queue.add(NAME, {"payload": repr(time.time())})
+        await schedule.next()
+    await queue.close()
+
+
+MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
