@@ -111,7 +111,7 @@ async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
             f"SREM worqr:q:{{jobs}}:held:cli-1 {pid}\n"
             "SREM worqr:q:{jobs}:unique first\n"
             f"HDEL worqr:q:{{jobs}}:deaths {sha1}\n"
-            f"PUBLISH worqr:q:{{jobs}}:done 'done:{done}'\n"
+            f"PUBLISH worqr:q:{{jobs}}:done 'done:[{done}]'\n"
             "EXEC\n"
             "SREM worqr:q:{jobs}:holders cli-1\n"
             "DEL worqr:w:{cli-1}:queues\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -43,7 +44,7 @@ class Consumer:
         self._host = host
         self._handler = handler
         self._concurrency = concurrency
-        self._running: dict[str, tuple[Process, anyio.CancelScope]] = {}
+        self._running: dict[str, tuple[Process, asyncio.Task[None]]] = {}
         self._ending: dict[str, str] = {}
         self._wake = anyio.Event()
         self._idle = anyio.Event()
@@ -83,8 +84,9 @@ class Consumer:
         self._wake.set()
 
     def _end(self, pid: str, outcome: str) -> None:
-        if pid in self._running:
-            self._ending.setdefault(pid, outcome)
+        """Cancel a running handler once, recording why (which decides its outcome)."""
+        if pid in self._running and pid not in self._ending:
+            self._ending[pid] = outcome
             self._running[pid][1].cancel()
 
     async def wait_idle(self) -> None:
@@ -101,29 +103,44 @@ class Consumer:
         (a ``work`` event or a handler ending) instead of polling.
         """
         try:
-            async with anyio.create_task_group() as tg:
-                backoff = 0.05
-                while self._taking:
-                    self._wake = anyio.Event()
-                    free = self._concurrency - len(self._running)
-                    try:
-                        if free > 0 and await self._take_and_start(tg, free):
-                            continue  # every slot asked for was filled: more may wait
-                        backoff = 0.05
-                    except BackendError as exc:
-                        self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
-                        await anyio.sleep(backoff)
-                        backoff = min(backoff * 2, _MAX_BACKOFF)
-                        continue
-                    if self._taking:
-                        await self._wake.wait()
+            backoff = 0.05
+            while self._taking:
+                self._wake = anyio.Event()
+                free = self._concurrency - len(self._running)
+                try:
+                    if free > 0 and await self._take_and_start(free):
+                        continue  # every slot asked for was filled: more may wait
+                    backoff = 0.05
+                except BackendError as exc:
+                    self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
+                    await anyio.sleep(backoff)
+                    backoff = min(backoff * 2, _MAX_BACKOFF)
+                    continue
+                if self._taking:
+                    await self._wake.wait()
+            with anyio.CancelScope(shield=True):
+                await self._handlers_ended()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                # Newest first, so that the oldest ends at the head of the queue.
-                for process, _ in reversed(list(self._running.values())):
+                # The caller cancelled: stop the handlers, then hand their processes
+                # back newest first, so that the oldest ends at the head of the queue.
+                running = [process for process, _ in self._running.values()]
+                for process in running:
+                    self._end(process.id, "handed back")
+                await self._handlers_ended()
+                for process in reversed(running):
+                    self._running.pop(process.id, None)
                     await self._host._settle(process, "requeue", None)
+                if not self._running:
+                    self._idle.set()
 
-    async def _take_and_start(self, tg: anyio.abc.TaskGroup, free: int) -> bool:
+    async def _handlers_ended(self) -> None:
+        """Wait until every handler task (and its settle) is over."""
+        tasks = [task for _, task in self._running.values()]
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def _take_and_start(self, free: int) -> bool:
         """Dequeue up to ``free`` tasks and start a handler for each; return whether
         every task asked for came (then more may be waiting).
 
@@ -143,7 +160,7 @@ class Consumer:
                 with anyio.CancelScope(shield=True):
                     await self._host._settle(process, "cancelled", None)
                 continue
-            self._start(tg, process)
+            self._start(process)
         return len(taken) == count
 
     async def _take(self, count: int, *, announced: bool) -> list[Process]:
@@ -181,29 +198,35 @@ class Consumer:
         self._strays.add(hand_back)
         hand_back.add_done_callback(self._strays.discard)
 
-    def _start(self, tg: anyio.abc.TaskGroup, process: Process) -> None:
-        scope = anyio.CancelScope()
-        self._running[process.id] = (process, scope)
-        self._idle = anyio.Event()
-        tg.start_soon(self._run_one, process, scope)
+    def _start(self, process: Process) -> None:
+        """Run the handler in an asyncio task of its own (cheaper than a task group
+        child with a cancel scope, which matters at thousands of tasks per second)."""
+        task = asyncio.get_running_loop().create_task(self._run_one(process))
+        self._running[process.id] = (process, task)
+        if self._idle.is_set():
+            self._idle = anyio.Event()
 
-    async def _run_one(self, process: Process, scope: anyio.CancelScope) -> None:
+    async def _run_one(self, process: Process) -> None:
         outcome, detail = "finish", None
         try:
-            with scope:
-                result = await self._handler(process)
-                if result is not None and not isinstance(result, str):
-                    raise TypeError(f"handler must return str or None, not {type(result).__name__}")
-                detail = result
+            result = await self._handler(process)
+            if result is not None and not isinstance(result, str):
+                raise TypeError(f"handler must return str or None, not {type(result).__name__}")
+            detail = result
+        except asyncio.CancelledError:
+            if process.id not in self._ending:
+                raise  # not ours (the event loop is closing)
         except Exception as exc:
             self._log.exception(
                 "handler failed", extra={"queue": process.queue, "process_id": process.id}
             )
             outcome, detail = "fail", f"{type(exc).__name__}: {exc}"
-        if scope.cancelled_caught:
-            outcome, detail = self._ending.get(process.id, "cancelled"), None
+        if process.id in self._ending:  # cancelled by us, even if the handler swallowed it
+            _uncancel()
+            outcome, detail = self._ending.pop(process.id), None
+            if outcome == "handed back":  # the loop hands it back, in queue order
+                return
         self._running.pop(process.id, None)
-        self._ending.pop(process.id, None)
         try:
             with anyio.CancelScope(shield=True):
                 await self._host._settle(process, outcome, detail)
@@ -211,3 +234,12 @@ class Consumer:
             if not self._running:
                 self._idle.set()
             self._wake.set()
+
+
+def _uncancel() -> None:
+    """Withdraw the cancellation `Consumer._end` requested from the current task, so
+    that what runs next (the settle, under a shield) is not cancelled by it."""
+    if sys.version_info >= (3, 11):  # before 3.11, a caught cancellation is gone
+        task = asyncio.current_task()
+        while task is not None and task.cancelling():
+            task.uncancel()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
@@ -259,7 +260,14 @@ class Events:
             return
         if kind == "message":
             event, _, body = text(message["data"]).partition(":")
-            await self.dispatch(queue, event, body)
+            if channel == self._keys.done(queue):  # a batch: one event per process
+                records = _records(body)
+                if records is None:
+                    self._log.warning("ignored a malformed done message", extra={"queue": queue})
+                for record in records or ():
+                    await self.dispatch(queue, event, record)
+            else:
+                await self.dispatch(queue, event, body)
             return
         if kind == "subscribe":
             self._refused = None
@@ -270,3 +278,13 @@ class Events:
         if settled is not None and self._in_sync(queue, self._wanted()):
             del self._settled[queue]
             settled.set()
+
+
+def _records(body: str) -> list[str] | None:
+    """The records of a ``done`` message (a JSON array), each as its own JSON text;
+    None if the message is not an array."""
+    try:
+        records = json.loads(body)
+    except ValueError:
+        return None
+    return [json.dumps(record) for record in records] if isinstance(records, list) else None

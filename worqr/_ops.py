@@ -43,6 +43,13 @@ def event(kind: str, message: str = "") -> str:
     return f"{kind}:{message}"
 
 
+def done_record(process_id: str, worker_id: str, task: str, result: str | None) -> str:
+    """One finished process, as JSON; a ``done`` message is a JSON array of these."""
+    return json.dumps(
+        {"process_id": process_id, "worker_id": worker_id, "task": task, "result": result}
+    )
+
+
 async def call(client: Redis | Pipeline, *args: str | int | float) -> Any:
     """Run one command now and return its raw reply."""
     return await cast("Awaitable[Any]", client.execute_command(*args))
@@ -386,14 +393,12 @@ async def _end_process(
 async def finish(r: Client, keys: Keys, ref: ProcessRef, result: str | None) -> str | None:
     """Finish a process (see `_end_process`), publishing ``done``; return its task or None.
 
-    6. PUBLISH done done:{"process_id","worker_id","task","result"}
+    6. PUBLISH done done:[{"process_id","worker_id","task","result"}]
     """
 
     def writes(pipe: Pipeline, task: str) -> None:
-        message = json.dumps(
-            {"process_id": ref.id, "worker_id": ref.worker_id, "task": task, "result": result}
-        )
-        pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", message))
+        record = done_record(ref.id, ref.worker_id, task, result)
+        pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", f"[{record}]"))
 
     return await _end_process(r, keys, ref, writes)
 
@@ -416,7 +421,7 @@ async def finish_many(
       5. SREM held:<w> <id>...
       6. SREM unique <task>...
       7. HDEL deaths <sha1>...
-      8. PUBLISH done done:{...}          for each process
+      8. PUBLISH done done:[{...}, ...]   (one message, a record per process)
       9. EXEC                             -> nil: back to 1
     """
     refs = [split_process_id(process.id) for process, _ in done]
@@ -434,14 +439,11 @@ async def finish_many(
         pipe.execute_command("SREM", keys.held(queue, worker_id), *(ref.id for ref in refs))
         pipe.execute_command("SREM", keys.unique(queue), *tasks)
         pipe.execute_command("HDEL", keys.deaths(queue), *{digest(task) for task in tasks})
-        for ref, (process, result) in zip(refs, done, strict=True):
-            message = {
-                "process_id": ref.id,
-                "worker_id": worker_id,
-                "task": process.task,
-                "result": result,
-            }
-            pipe.execute_command("PUBLISH", keys.done(queue), event("done", json.dumps(message)))
+        records = ",".join(
+            done_record(ref.id, worker_id, process.task, result)
+            for ref, (process, result) in zip(refs, done, strict=True)
+        )
+        pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{records}]"))
         return True
 
     if not done:
