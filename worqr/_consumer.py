@@ -17,6 +17,8 @@ Handler = Callable[[Process], Awaitable[str | None]]
 
 _MAX_BACKOFF = 2.0
 _TAKE_LIMIT = 10.0
+_HAND_BACK_LIMIT = 10.0
+_HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
 
 
 class Host(Protocol):
@@ -52,7 +54,6 @@ class Consumer:
         self._taking = True
         self._dequeuing = False
         self._cancelled_meanwhile: set[str] = set()
-        self._strays: set[asyncio.Future[None]] = set()
         self._announced = 0  # tasks announced by ``work`` events since the last take
         self.reason: str | None = None
 
@@ -98,41 +99,52 @@ class Consumer:
     async def run(self) -> None:
         """Take and run work until stopped; on the caller's cancellation, hand back.
 
-        Each round takes as many tasks as there are free slots, in one transaction;
-        fewer than asked means the queue is empty, so the loop waits for a wake-up
-        (a ``work`` event or a handler ending) instead of polling.
+        The loop runs in a task of its own, so that the caller's cancellation never
+        interrupts a dequeue midway (which would leave processes taken in Redis that
+        this consumer does not know about): it becomes a request to stop, and the
+        call returns (raising the cancellation) once the running handlers were
+        stopped and their processes handed back.
         """
+        loop = asyncio.get_running_loop().create_task(self._loop())
         try:
-            backoff = 0.05
-            while self._taking:
-                self._wake = anyio.Event()
-                free = self._concurrency - len(self._running)
-                try:
-                    if free > 0 and await self._take_and_start(free):
-                        continue  # every slot asked for was filled: more may wait
-                    backoff = 0.05
-                except BackendError as exc:
-                    self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
-                    await anyio.sleep(backoff)
-                    backoff = min(backoff * 2, _MAX_BACKOFF)
-                    continue
-                if self._taking:
-                    await self._wake.wait()
+            await asyncio.shield(loop)
+        except asyncio.CancelledError:
+            self._taking = False
+            for pid in list(self._running):
+                self._end(pid, _HANDED_BACK)
+            self._wake.set()
             with anyio.CancelScope(shield=True):
-                await self._handlers_ended()
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                # The caller cancelled: stop the handlers, then hand their processes
-                # back newest first, so that the oldest ends at the head of the queue.
-                running = [process for process, _ in self._running.values()]
-                for process in running:
-                    self._end(process.id, "handed back")
-                await self._handlers_ended()
-                for process in reversed(running):
-                    self._running.pop(process.id, None)
-                    await self._host._settle(process, "requeue", None)
-                if not self._running:
-                    self._idle.set()
+                await asyncio.wait([loop])
+            raise
+
+    async def _loop(self) -> None:
+        """Each round takes as many tasks as there are free slots, in one transaction;
+        fewer than asked means the queue is empty, so the loop waits for a wake-up
+        (a ``work`` event or a handler ending) instead of polling."""
+        backoff = 0.05
+        while self._taking:
+            self._wake = anyio.Event()
+            free = self._concurrency - len(self._running)
+            try:
+                if free > 0 and await self._take_and_start(free):
+                    continue  # every slot asked for was filled: more may wait
+                backoff = 0.05
+            except BackendError as exc:
+                self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                continue
+            if self._taking:
+                await self._wake.wait()
+        await self._handlers_ended()
+        # Handlers stopped for the caller's cancellation are still listed: hand their
+        # processes back newest first, so that the oldest ends at the head of the queue.
+        with anyio.move_on_after(_HAND_BACK_LIMIT):
+            for process in reversed([process for process, _ in self._running.values()]):
+                self._running.pop(process.id, None)
+                await self._host._settle(process, "requeue", None)
+        if not self._running:
+            self._idle.set()
 
     async def _handlers_ended(self) -> None:
         """Wait until every handler task (and its settle) is over."""
@@ -149,54 +161,30 @@ class Consumer:
         """
         announced, self._announced = min(self._announced, free), 0
         count = announced or free
-        taken = await self._take(count, announced=bool(announced))
-        for position, process in enumerate(taken):
-            if not self._taking:  # stopped while the dequeue ran: hand back, newest first
-                with anyio.CancelScope(shield=True):
-                    for late in reversed(taken[position:]):
-                        await self._host._settle(late, "requeue", None)
-                break
-            if process.task in self._cancelled_meanwhile:
-                with anyio.CancelScope(shield=True):
-                    await self._host._settle(process, "cancelled", None)
-                continue
-            self._start(process)
-        return len(taken) == count
-
-    async def _take(self, count: int, *, announced: bool) -> list[Process]:
-        """Dequeue in a task of its own, so that no cancellation can interrupt it
-        midway and leave processes taken in Redis that this consumer does not know
-        about. If this consumer is cancelled meanwhile, what the dequeue took goes
-        back to the queue before the cancellation propagates; if the dequeue outlasts
-        `_TAKE_LIMIT`, whatever it takes later goes back too."""
         self._dequeuing, self._cancelled_meanwhile = True, set()
-        attempt = asyncio.ensure_future(self._host._take(self.queue, count, announced=announced))
         try:
-            await asyncio.wait({attempt}, timeout=_TAKE_LIMIT)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait({attempt}, timeout=_TAKE_LIMIT)
-                await self._hand_back(attempt)
-            raise
+            # A dequeue cut off here may have been applied: the audit returns what it
+            # took once it is older than worker_timeout.
+            with anyio.move_on_after(_TAKE_LIMIT):
+                taken = await self._host._take(self.queue, count, announced=bool(announced))
+                await self._start_taken(taken)
+                return len(taken) == count
+            return False
         finally:
             self._dequeuing = False
-        if not attempt.done():
-            attempt.add_done_callback(self._hand_back_later)
-            return []
-        return attempt.result()
 
-    async def _hand_back(self, attempt: asyncio.Future[list[Process]]) -> None:
-        """Return the processes of a finished dequeue nobody will run, newest first."""
-        if not attempt.done():
-            attempt.add_done_callback(self._hand_back_later)
-        elif not attempt.cancelled() and attempt.exception() is None:
-            for process in reversed(attempt.result()):
-                await self._host._settle(process, "requeue", None)
-
-    def _hand_back_later(self, attempt: asyncio.Future[list[Process]]) -> None:
-        hand_back = asyncio.ensure_future(self._hand_back(attempt))
-        self._strays.add(hand_back)
-        hand_back.add_done_callback(self._strays.discard)
+    async def _start_taken(self, taken: list[Process]) -> None:
+        """Start a handler per process, unless the consumer stopped (hand them back,
+        newest first) or the task was cancelled while the dequeue ran (finish it)."""
+        for position, process in enumerate(taken):
+            if not self._taking:
+                for late in reversed(taken[position:]):
+                    await self._host._settle(late, "requeue", None)
+                return
+            if process.task in self._cancelled_meanwhile:
+                await self._host._settle(process, "cancelled", None)
+                continue
+            self._start(process)
 
     def _start(self, process: Process) -> None:
         """Run the handler in an asyncio task of its own (cheaper than a task group
@@ -224,12 +212,11 @@ class Consumer:
         if process.id in self._ending:  # cancelled by us, even if the handler swallowed it
             _uncancel()
             outcome, detail = self._ending.pop(process.id), None
-            if outcome == "handed back":  # the loop hands it back, in queue order
+            if outcome == _HANDED_BACK:  # the loop hands it back, in queue order
                 return
         self._running.pop(process.id, None)
-        try:
-            with anyio.CancelScope(shield=True):
-                await self._host._settle(process, outcome, detail)
+        try:  # no shield needed: only `_end` cancels this task, and not after the pop
+            await self._host._settle(process, outcome, detail)
         finally:
             if not self._running:
                 self._idle.set()
