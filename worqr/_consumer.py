@@ -55,14 +55,16 @@ class Consumer:
         self._dequeuing = False
         self._cancelled_meanwhile: set[str] = set()
         self._announced = 0  # tasks announced by ``work`` events since the last take
+        self._backlog = False  # tasks may wait that the free slots could not take
         self.reason: str | None = None
 
     # -- signals (synchronous, called from event hooks and the facade) -----------------
 
     def hook(self, kind: str, message: str) -> None:
         """React to an event on the queue."""
-        if kind == "work":
-            self._announced += int(message) if message.isdigit() else 1
+        if kind == "work":  # "work:N" announces N tasks; a bare "work:" asks for a look
+            self._announced += int(message) if message.isdigit() else 0
+            self._backlog = True
             self._wake.set()
         elif kind == "cancel":
             if self._dequeuing:  # the dequeue in flight may return it
@@ -127,7 +129,7 @@ class Consumer:
             free = self._concurrency - len(self._running)
             try:
                 if free > 0 and await self._take_and_start(free):
-                    continue  # every slot asked for was filled: more may wait
+                    continue  # every free slot was filled: more may wait
                 backoff = 0.05
             except BackendError as exc:
                 self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
@@ -154,10 +156,13 @@ class Consumer:
 
     async def _take_and_start(self, free: int) -> bool:
         """Dequeue up to ``free`` tasks and start a handler for each; return whether
-        every task asked for came (then more may be waiting).
+        every free slot was filled (then more may be waiting).
 
         After a ``work`` event the announced count is taken without first asking
-        for the queue's length, saving a round trip on the way to the handler.
+        for the queue's length, saving a round trip on the way to the handler. When
+        the queue held no more than that, the consumer then waits for the next event,
+        and a handler ending wakes it only while a backlog may remain: an idle
+        worker spends one round trip per task on taking it, none on looking again.
         """
         announced, self._announced = min(self._announced, free), 0
         count = announced or free
@@ -168,7 +173,8 @@ class Consumer:
             with anyio.move_on_after(_TAKE_LIMIT):
                 taken = await self._host._take(self.queue, count, announced=bool(announced))
                 await self._start_taken(taken)
-                return len(taken) == count
+                self._backlog = len(taken) == free
+                return self._backlog
             return False
         finally:
             self._dequeuing = False
@@ -220,7 +226,8 @@ class Consumer:
         finally:
             if not self._running:
                 self._idle.set()
-            self._wake.set()
+            if self._backlog:
+                self._wake.set()
 
 
 def _uncancel() -> None:

@@ -637,7 +637,8 @@ class Worqr:
         if self._supervisor is not None:
             self._supervisor.refreshed()
         self._log.info("worker re-registered")
-        await self._recheck_queues(dict.fromkeys(self._working, 1))
+        for queue in self._working:  # a look, not an announcement: the count is unknown
+            await self._events.poke(queue, "work", "")
 
     async def _recheck_queues(self, waiting: dict[str, int]) -> None:
         """Wake this peer's consumers of queues where tasks wait (hooks only)."""
@@ -686,7 +687,7 @@ class Worqr:
             self._log.warning("re-check after reconnect failed: %s", exc)
             return
         for queue, present in zip(queues, registered, strict=True):
-            await self._events.poke(queue, "work" if present else "delete", "1" if present else "")
+            await self._events.poke(queue, "work" if present else "delete", "")
 
     # -- events ------------------------------------------------------------------------
 
