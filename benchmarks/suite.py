@@ -92,7 +92,9 @@ class Results:
         self.samples.setdefault(library, {}).setdefault(figure, []).append(value)
 
     def note(self, library: str, text: str) -> None:
-        self.notes.setdefault(library, []).append(text)
+        notes = self.notes.setdefault(library, [])
+        if text not in notes:
+            notes.append(text)
 
     def median(self, library: str, figure: str) -> float | None:
         values = self.samples.get(library, {}).get(figure)
@@ -283,7 +285,8 @@ def drain_two(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
         subprocess.Popen(argv, cwd=PEERS_DIR, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]
     outs = [json.loads(p.communicate(timeout=max(600, n))[0].splitlines()[-1]) for p in procs]
-    count = sum(out["count"] for out in outs)
+    counts = [out["count"] for out in outs]  # "shared": each saw the whole queue's
+    count = max(counts) if any(out.get("shared") for out in outs) else sum(counts)
     span = max(out["last_end"] for out in outs) - min(out["started"] for out in outs)
     if count != n:
         results.note(adapter.library, f"2-process drain ran {count} of {n} tasks")
@@ -375,35 +378,46 @@ def fleet(adapter: Adapter, redis: Redis, workers: int, seconds: float, results:
 
 
 def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[Results, dict]:
+    """Every workload of every library, repetition by repetition: each repetition
+    goes through all the libraries in turn, so that a slow spell of the machine
+    touches them all rather than one."""
     results = Results()
     meta: dict[str, Any] = {"versions": {}, "concurrency": CONCURRENCY, "sizes": sizes.__dict__}
     with EmbeddedServer() as server:
         redis = Redis.from_url(server.url, decode_responses=True)
         meta["server"] = f"{Path(server.binary).name} {redis.info('server')['redis_version']}"
+        adapters = {}
         for library in libraries:
             python = python_of(library, overrides)
             meta["versions"][library] = versions(python, library)
-            adapter = Adapter(library, python, server.url, "bench")
-            print(f"==> {library}", flush=True)
-            n = sizes.slow_drain if library == "rq" else sizes.drain
-            if library == "rq":
-                results.note("rq", f"drains {n} tasks (its worker forks once per job)")
-            try:
-                recovering = True
-                for _ in range(sizes.repetitions):
+            adapters[library] = Adapter(library, python, server.url, "bench")
+        if "rq" in adapters:
+            results.note("rq", f"drains {sizes.slow_drain} tasks (its worker forks once per job)")
+        recovering = set(libraries)
+        failed: set[str] = set()
+        for repetition in range(1, sizes.repetitions + 1):
+            for library, adapter in adapters.items():
+                if library in failed:
+                    continue
+                print(f"==> {library}, repetition {repetition}", flush=True)
+                n = sizes.slow_drain if library == "rq" else sizes.drain
+                try:
                     drain(adapter, redis, n, results)
                     drain_two(adapter, redis, n, results)
                     enqueue(adapter, redis, sizes, results)
                     latency(adapter, redis, sizes.latency, results)
-                    if recovering:
-                        recovering = recovery(adapter, redis, sizes.recovery_bound, results)
-            except (RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
-                if library == "worqr":
-                    raise
-                results.note(library, f"run failed: {exc}"[:300])
-            if library == "worqr":
-                for workers in sizes.fleet:
-                    fleet(adapter, redis, workers, sizes.fleet_seconds, results)
+                    if library in recovering and not recovery(
+                        adapter, redis, sizes.recovery_bound, results
+                    ):
+                        recovering.discard(library)  # one bounded wait says enough
+                except (RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+                    if library == "worqr":
+                        raise
+                    failed.add(library)
+                    results.note(library, f"run failed: {exc}"[:300])
+        if "worqr" in adapters:
+            for workers in sizes.fleet:
+                fleet(adapters["worqr"], redis, workers, sizes.fleet_seconds, results)
         redis.close()
     return results, meta
 

@@ -11,7 +11,8 @@ library. The suite drives every adapter through the same five modes:
     Run the library's normal worker over a queue filled beforehand, with a no-op
     handler, until N handlers have run (or, without ``--expect``, until idle for
     ``IDLE_EXIT`` seconds), then stop it gracefully. Prints
-    ``{"started": t0, "last_end": t1, "count": k}`` (wall clock).
+    ``{"started": t0, "last_end": t1, "count": k}`` (wall clock); ``"shared": true``
+    when k counts the whole queue's finished tasks rather than this worker's.
 ``worker --concurrency C --hang``
     Run the library's worker until killed. Prints ``ready`` once started, then for
     every handler start a line ``S <payload> <wall clock>``. With ``--hang`` the

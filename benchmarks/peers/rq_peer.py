@@ -14,8 +14,8 @@ to WARNING and sent to stderr: at INFO the worker writes two lines per job to st
 
 ``drain`` cannot count handler runs in the worker process, since the job runs in a
 fork; it runs the worker in burst mode (``max_jobs`` = ``--expect``), timing the
-whole burst, and counts the jobs finished by the growth of the queue's
-``FinishedJobRegistry``.
+whole burst, and counts the queue's finished jobs by the growth of its
+``FinishedJobRegistry`` (marked ``shared``: with two workers it counts both).
 
 Recovery after SIGKILL of the worker: the horse is in its own process group and
 survives; it keeps running the job until the 180 s job timeout, then moves the job
@@ -71,7 +71,10 @@ def drain(args: argparse.Namespace, queue: Queue) -> None:
     begun = time.time()
     worker.work(burst=True, max_jobs=args.expect, logging_level="WARNING")
     ended = time.time()
-    emit({"started": begun, "last_end": ended, "count": finished.count - before})
+    # The horses record their successes, not this parent: count the queue's finished
+    # jobs instead, which covers every worker of the queue ("shared").
+    count = finished.count - before
+    emit({"started": begun, "last_end": ended, "count": count, "shared": True})
 
 
 def worker(args: argparse.Namespace, queue: Queue) -> None:
