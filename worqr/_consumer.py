@@ -47,6 +47,7 @@ class Consumer:
         self._handler = handler
         self._concurrency = concurrency
         self._running: dict[str, tuple[Process, asyncio.Task[None]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # handler tasks not yet done
         self._ending: dict[str, str] = {}
         self._wake = anyio.Event()
         self._idle = anyio.Event()
@@ -149,10 +150,10 @@ class Consumer:
             self._idle.set()
 
     async def _handlers_ended(self) -> None:
-        """Wait until every handler task (and its settle) is over."""
-        tasks = [task for _, task in self._running.values()]
-        if tasks:
-            await asyncio.wait(tasks)
+        """Wait until every handler task is over, its settle included (a handler
+        leaves `_running` before its settle is sent)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
 
     async def _take_and_start(self, free: int) -> bool:
         """Dequeue up to ``free`` tasks and start a handler for each; return whether
@@ -197,6 +198,8 @@ class Consumer:
         child with a cancel scope, which matters at thousands of tasks per second)."""
         task = asyncio.get_running_loop().create_task(self._run_one(process))
         self._running[process.id] = (process, task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         if self._idle.is_set():
             self._idle = anyio.Event()
 
