@@ -34,6 +34,8 @@ def main(source: Path) -> None:
         colours = ["#c0392b" if lib == "worqr" else "#7f8c8d" for lib in names]
         axis.bar(names, values, color=colours)
         axis.set_title(title, fontsize=10)
+        if key.startswith("latency"):  # from under a millisecond to seconds
+            axis.set_yscale("log")
         axis.tick_params(axis="x", labelsize=8)
     meta = data["meta"]
     figure.suptitle(f"worqr and peers, {meta['mode']} run {meta['date']} ({meta['machine']})")
