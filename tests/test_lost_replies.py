@@ -54,6 +54,30 @@ async def test_dequeue_whose_reply_was_lost_adopts_its_process(
         await worqr.close()
 
 
+async def test_batch_dequeue_whose_reply_was_lost_adopts_every_process(
+    proxied: tuple[LossyProxy, Redis, Redis],
+) -> None:
+    proxy, resending, direct = proxied
+    worqr = Worqr(resending, prefix="lossyk", **FAST)
+    try:
+        await worqr.start_worker()
+        await worqr.start_work("jobs")
+        await worqr.enqueue("jobs", ["t1", "t2", "t3", "t4"])
+        proxy.lose_next_exec_reply()
+        taken = await worqr._take("jobs", 3)
+        assert proxy.dropped == 1
+        assert [p.task for p in taken] == ["t1", "t2", "t3"]  # adopted, not taken twice
+        state = await raw_keys(direct, "lossyk")
+        for process in taken:
+            assert state[f"lossyk:q:{{jobs}}:p:{process.id}"] == [process.task]
+        assert state["lossyk:q:{jobs}:tasks"] == ["t4"]
+        assert sorted(state["lossyk:q:{jobs}:held:" + worqr.worker_id]) == sorted(
+            p.id for p in taken
+        )
+    finally:
+        await worqr.close()
+
+
 async def test_finish_whose_reply_was_lost_ends_the_process_once(
     proxied: tuple[LossyProxy, Redis, Redis],
 ) -> None:

@@ -80,11 +80,15 @@ class Consumer:
 
     def stop(self, reason: str, *, cancel: bool) -> None:
         """Stop taking work; with ``cancel`` also cancel the running handlers."""
-        self._taking = False
         self.reason = self.reason or reason
-        if cancel:
+        self._halt(reason if cancel else None)
+
+    def _halt(self, outcome: str | None) -> None:
+        """Stop taking work and, given an ``outcome``, end the running handlers with it."""
+        self._taking = False
+        if outcome is not None:
             for pid in list(self._running):
-                self._end(pid, reason)
+                self._end(pid, outcome)
         self._wake.set()
 
     def _end(self, pid: str, outcome: str) -> None:
@@ -112,10 +116,7 @@ class Consumer:
         try:
             await asyncio.shield(loop)
         except asyncio.CancelledError:
-            self._taking = False
-            for pid in list(self._running):
-                self._end(pid, _HANDED_BACK)
-            self._wake.set()
+            self._halt(_HANDED_BACK)  # no reason: the caller cancelled, nothing ended
             with anyio.CancelScope(shield=True):
                 await asyncio.wait([loop])
             raise
@@ -235,7 +236,7 @@ class Consumer:
 
 def _uncancel() -> None:
     """Withdraw the cancellation `Consumer._end` requested from the current task, so
-    that what runs next (the settle, under a shield) is not cancelled by it."""
+    that what runs next (the settle) is not cancelled by it."""
     if sys.version_info >= (3, 11):  # before 3.11, a caught cancellation is gone
         task = asyncio.current_task()
         while task is not None and task.cancelling():

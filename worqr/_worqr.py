@@ -765,7 +765,7 @@ class Worqr:
         action: Callable[[], Awaitable[object]]
         if outcome in ("finish", "cancelled"):
             result = detail if outcome == "finish" else None
-            action = lambda: self._finish_batched(process, result)  # noqa: E731
+            action = lambda: self._finish_batched(process, ref, result)  # noqa: E731
         elif outcome == "fail":
             action = lambda: self._fail_process(ref, detail or "")  # noqa: E731
         elif outcome == "requeue":
@@ -801,7 +801,7 @@ class Worqr:
             extra={"queue": process.queue, "process_id": process.id},
         )
 
-    async def _finish_batched(self, process: Process, result: str | None) -> bool:
+    async def _finish_batched(self, process: Process, ref: ProcessRef, result: str | None) -> bool:
         """Finish a process this peer dequeued, together with the other processes of
         its queue that end in the same moment (one transaction per batch)."""
         queue = process.queue
@@ -815,8 +815,6 @@ class Worqr:
 
             finisher = self._finishers[queue] = GroupCommit(write, _FINISH_BATCH)
         finished = await finisher.submit((process, result))
-        ref = split_process_id(process.id)
-        self._held.pop(ref.id, None)
         self._note(ref, self._completed, process.task if finished else None)
         return finished
 
