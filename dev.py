@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one developer entry point: ``python3 dev.py {test,lint,demo,chaos} [ARGS...]``.
+"""The one developer entry point: ``python3 dev.py VERB [ARGS...]`` (see USAGE).
 
 It uses only the standard library, so a bare Python >= 3.10 can run it. It creates ``.venv``
 next to this file when missing and installs the project there (editable, with the ``dev``
@@ -25,7 +25,8 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
   demo   python -m worqr demo ARGS
   chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)
-  bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)"""
+  bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)
+  bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)"""
 
 
 def run(*cmd: str | Path) -> int:
@@ -81,12 +82,24 @@ def bench(args: list[str]) -> int:
     return run(PYTHON, "-m", "benchmarks.suite", *args)
 
 
+def bench_cluster(args: list[str]) -> int:
+    """Run the drain benchmark of a Redis Cluster against one server."""
+    return run(PYTHON, "-m", "benchmarks.cluster", *args)
+
+
 def chaos(args: list[str]) -> int:
     """Run the chaos harness: faults injected into a real fleet, then the accounting."""
     return run(PYTHON, "-m", "benchmarks.chaos", *args)
 
 
-VERBS = {"test": test, "lint": lint, "demo": demo, "chaos": chaos, "bench": bench}
+VERBS = {
+    "test": test,
+    "lint": lint,
+    "demo": demo,
+    "chaos": chaos,
+    "bench": bench,
+    "bench-cluster": bench_cluster,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,11 @@
-"""Shared fixtures: one real server per session (REDIS_URL overrides) and one
-shared fakeredis server; each test gets a fresh key prefix."""
+"""Shared fixtures: one real server per session (REDIS_URL overrides), one real
+3 + 3 Redis Cluster per session, started on first use (REDIS_CLUSTER_URL, a
+``redis://`` URL of one node, overrides), and one shared fakeredis server; each test
+gets a fresh key prefix."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -10,8 +13,10 @@ from typing import Any
 import fakeredis
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from worqr import Worqr
+from worqr._connections import Client
 from worqr._embedded import EmbeddedServer, redis_url_or_embedded
 
 from .helpers import FAST, Factory
@@ -24,21 +29,39 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def cluster_url() -> Iterator[str]:
+    """A node of a real Redis Cluster of 3 primaries with a replica each."""
+    given = os.environ.get("REDIS_CLUSTER_URL")
+    if given:
+        yield given
+        return
+    from worqr._deployments import EmbeddedCluster
+
+    with EmbeddedCluster() as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(scope="session")
 def fake_server() -> fakeredis.FakeServer:
     return fakeredis.FakeServer()
 
 
-@pytest.fixture(params=["redis", "fake"])
+@pytest.fixture(params=["redis", "fake", "cluster"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture
 async def client(
-    backend: str, redis_url: str, fake_server: fakeredis.FakeServer
-) -> AsyncIterator[Redis]:
+    backend: str, request: pytest.FixtureRequest, fake_server: fakeredis.FakeServer
+) -> AsyncIterator[Client]:
+    """A client of the test's backend: one real server, fakeredis, or the Cluster."""
+    redis: Client
     if backend == "redis":
-        redis = Redis.from_url(redis_url, decode_responses=True)
+        redis = Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True)
+    elif backend == "cluster":
+        url = request.getfixturevalue("cluster_url")
+        redis = RedisCluster.from_url(url, decode_responses=True)
     else:
         redis = fakeredis.FakeAsyncRedis(server=fake_server, decode_responses=True)
     yield redis
@@ -58,7 +81,7 @@ def prefix() -> str:
 
 
 @pytest.fixture
-async def make(client: Redis, prefix: str) -> AsyncIterator[Factory]:
+async def make(client: Client, prefix: str) -> AsyncIterator[Factory]:
     """Build `Worqr` peers on the test's backend and prefix; all are closed afterwards."""
     peers: list[Worqr] = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,3 +43,12 @@ async def raw_keys(redis: Redis, prefix: str) -> dict[str, Any]:
         else:
             state[key] = await redis.get(key)
     return state
+
+
+def reap(child: subprocess.Popen[str]) -> None:
+    """Kill a child process if it still runs, wait for it and close its stdout."""
+    if child.poll() is None:
+        child.kill()
+    child.wait(5)
+    if child.stdout is not None:
+        child.stdout.close()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+
+import anyio
 import pytest
 from redis.asyncio import Redis
 
 import worqr
 from worqr import ClosedError, Process, Worqr
 
-from .helpers import Factory
+from .helpers import FAST, Factory, eventually
 
 
 def test_all_matches_public_exports() -> None:
@@ -54,3 +57,32 @@ async def test_from_url_owns_and_closes_its_client(redis_url: str, prefix: str) 
         await instance.delete_queue("jobs")
     with pytest.raises(ClosedError):
         await instance.start_worker()
+
+
+async def _connections_named(redis: Redis, name: str) -> int:
+    return sum(client["name"] == name for client in await redis.client_list())
+
+
+@pytest.mark.parametrize("leave", ["close", "shutdown"])
+async def test_a_cancelled_close_still_closes_every_connection(
+    redis_url: str, real_client: Redis, prefix: str, leave: str
+) -> None:
+    """Closing runs to the end even when the caller is cancelled at once: its owned
+    client, the dequeue's pool and the subscriber's all end up closed."""
+    name = f"closing-{uuid.uuid4().hex[:8]}"
+    instance = Worqr.from_url(f"{redis_url}?client_name={name}", prefix=prefix, **FAST)
+    await instance.start_worker()
+    await instance.start_work("jobs")
+    await instance.enqueue("jobs", "t")
+    assert await instance.dequeue("jobs") is not None  # the dequeue's own pool is open
+    assert await _connections_named(real_client, name) >= 3
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await getattr(instance, leave)()
+    with pytest.raises(ClosedError):
+        await instance.start_worker()
+
+    async def all_closed() -> bool:
+        return await _connections_named(real_client, name) == 0
+
+    await eventually(all_closed)

@@ -285,8 +285,10 @@ script. Every example below is real output, captured by `tests/test_cli.py` agai
 server it started (process tokens, ages and times are normalised).
 
 Common options, before or after the verb: `--url` (default: `$REDIS_URL`, else
-`redis://localhost:6379/0`), `--prefix` (default: `worqr`), `--debug` (log debug lines
-and print tracebacks). Read verbs take `--json` and print one JSON document whose
+`redis://localhost:6379/0`; a Cluster is `redis+cluster://host:port,...`, a
+Sentinel-managed master `redis+sentinel://host:port,.../service`, see
+docs/scaling.md), `--prefix` (default: `worqr`), `--debug` (log debug lines and print
+tracebacks). Read verbs take `--json` and print one JSON document whose
 shape is shown below; it is stable across releases (new fields may be added).
 
 Exit codes: `0` success; `1` the operation failed (Redis unreachable or refusing,

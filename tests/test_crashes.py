@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from worqr import Process, Worqr
 from worqr._embedded import EmbeddedServer
 
-from .helpers import FAST, eventually, raw_keys
+from .helpers import FAST, eventually, raw_keys, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,11 +62,7 @@ async def test_sigkilled_worker_task_returns_to_front_and_a_peer_does_it(
             assert done == ["victim", "b", "c"]
             assert await peer.get_workers() == [peer.worker_id]
     finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait(5)
-        if child.stdout is not None:
-            child.stdout.close()
+        reap(child)
     assert await _no_process_state(raw, prefix)
 
 

@@ -14,6 +14,7 @@ from ._errors import InvalidWorkerIdError as InvalidWorkerIdError
 from ._errors import NotWorkingError as NotWorkingError
 from ._errors import PermissionDeniedError as PermissionDeniedError
 from ._errors import ProtocolVersionError as ProtocolVersionError
+from ._errors import ReplicationError as ReplicationError
 from ._errors import ServerStartError as ServerStartError
 from ._errors import WorkerNotStartedError as WorkerNotStartedError
 from ._errors import WorqrError as WorqrError
@@ -25,7 +26,7 @@ from ._models import QueueStatistics as QueueStatistics
 from ._models import WorkerInfo as WorkerInfo
 from ._worqr import Worqr as Worqr
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AuthenticationFailedError",
@@ -46,6 +47,7 @@ __all__ = [
     "Process",
     "ProtocolVersionError",
     "QueueStatistics",
+    "ReplicationError",
     "ServerStartError",
     "Subscribed",
     "WorkerInfo",

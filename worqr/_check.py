@@ -1,6 +1,7 @@
 """The consistency check: read everything under a prefix and list what breaks the
 invariants (every task in exactly one place, every process owned, no bookkeeping of
-dead workers left behind). An admin operation: it SCANs the keyspace once.
+dead workers left behind). An admin operation: it SCANs the keyspace once (on a
+Cluster, every primary's).
 
 On a live fleet an operation in flight can show for a moment as a finding (for
 example an empty dequeue between its two steps); every repair re-checks under WATCH
@@ -16,7 +17,7 @@ import anyio
 from ._errors import redis_boundary
 from ._keys import Keys
 from ._names import parse_process_id
-from ._ops import Client, call, text
+from ._ops import Client, text
 
 _SECOND_LOOK = 0.1  # seconds before a dangling id is confirmed
 
@@ -70,28 +71,23 @@ async def _read(r: Client, keys: Keys) -> _State:
     task_queues: list[str] = []
     workers_seen: set[str] = set()
     work_lists: set[str] = set()
-    cursor = 0
-    while True:
-        cursor, batch = await call(r, "SCAN", cursor, "MATCH", keys.everything, "COUNT", 1000)
-        for raw in batch:
-            parsed = keys.parse(text(raw))
-            if parsed is None:
-                continue
-            kind, owner, rest = parsed
-            if kind == "p":
-                process_keys.append((owner, rest))
-            elif kind == "held":
-                held_keys.append((owner, rest))
-            elif kind == "holders":
-                holder_queues.append(owner)
-            elif kind == "tasks":
-                task_queues.append(owner)
-            elif kind in ("alive", "queues"):
-                workers_seen.add(owner)
-                if kind == "queues":
-                    work_lists.add(owner)
-        if int(cursor) == 0:
-            break
+    async for raw in r.scan_iter(match=keys.everything, count=1000):  # every primary's
+        parsed = keys.parse(text(raw))
+        if parsed is None:
+            continue
+        kind, owner, rest = parsed
+        if kind == "p":
+            process_keys.append((owner, rest))
+        elif kind == "held":
+            held_keys.append((owner, rest))
+        elif kind == "holders":
+            holder_queues.append(owner)
+        elif kind == "tasks":
+            task_queues.append(owner)
+        elif kind in ("alive", "queues"):
+            workers_seen.add(owner)
+            if kind == "queues":
+                work_lists.add(owner)
     async with r.pipeline(transaction=False) as pipe:
         pipe.execute_command("SMEMBERS", keys.workers)
         pipe.execute_command("SMEMBERS", keys.queues)

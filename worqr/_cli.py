@@ -292,7 +292,10 @@ def parser() -> argparse.ArgumentParser:
         common.add_argument(
             "--url",
             default=url if defaults else argparse.SUPPRESS,
-            help=f"Redis URL (default: $REDIS_URL, else {DEFAULT_URL})",
+            help=(
+                "Redis URL: redis://, rediss://, unix://, redis+cluster://host:port,... or"
+                f" redis+sentinel://host:port,.../service (default: $REDIS_URL, else {DEFAULT_URL})"
+            ),
         )
         common.add_argument(
             "--prefix",

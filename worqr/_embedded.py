@@ -119,6 +119,10 @@ class EmbeddedServer:
     Use it as a context manager, or call `start` and `stop`; leaving the ``with`` block (or
     garbage collection) also removes the temp dir. Once started, the port never changes, so
     clients can reconnect to `url` after `restart`, or after `kill` and `start`.
+
+    ``config`` is the text of a config file, written to the temp dir and given first on the
+    command line; ``sentinel=True`` runs the binary as a Sentinel, which needs such a file
+    (it rewrites it with what it learns).
     """
 
     def __init__(
@@ -128,6 +132,8 @@ class EmbeddedServer:
         port: int | None = None,
         appendonly: bool = False,
         extra_args: Sequence[str] = (),
+        config: str | None = None,
+        sentinel: bool = False,
     ) -> None:
         self._binary = binary if binary is not None else find_server_binary()
         self._port = port if port is not None else free_port()
@@ -138,11 +144,21 @@ class EmbeddedServer:
         self._resources = _Resources(tempfile.mkdtemp(prefix="worqr-server-"))
         self._finalizer = weakref.finalize(self, _release, self._resources)
         self._log = Path(self._resources.directory, "server.log")
+        self._config: Path | None = None
+        if config is not None:
+            self._config = Path(self._resources.directory, "server.conf")
+            self._config.write_text(config)
+        self._sentinel = sentinel
 
     @property
     def binary(self) -> str:
         """Path of the server executable."""
         return self._binary
+
+    @property
+    def directory(self) -> str:
+        """The temp dir holding the server's data, log and config file (removed on exit)."""
+        return self._resources.directory
 
     @property
     def port(self) -> int:
@@ -216,10 +232,21 @@ class EmbeddedServer:
         self.stop()
         self._finalizer()
 
+    def log_tail(self) -> str:
+        """The last lines of the server's log, for error messages."""
+        return _tail(self._read_log(0)) if self._log.exists() else ""
+
     def _argv(self) -> list[str]:
-        """Command line: loopback only, our temp dir, no RDB snapshots, optional AOF."""
-        argv = [
-            self._binary,
+        """Command line: loopback only, our temp dir, no RDB snapshots, optional AOF.
+
+        The config file, if any, comes first, as the server requires.
+        """
+        argv = [self._binary]
+        if self._config is not None:
+            argv.append(str(self._config))
+        if self._sentinel:
+            argv.append("--sentinel")
+        argv += [
             "--port", str(self._port),
             "--bind", _HOST,
             "--dir", self._resources.directory,

@@ -15,6 +15,7 @@
     ├── ProtocolVersionError
     └── BackendError
         ├── BackendUnavailableError
+        ├── ReplicationError
         ├── AuthenticationFailedError
         └── PermissionDeniedError
 """
@@ -22,7 +23,9 @@
 from __future__ import annotations
 
 import functools
+import traceback
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import redis.exceptions
@@ -83,6 +86,12 @@ class BackendUnavailableError(BackendError):
     """Raised when Redis cannot be reached: connection refused, dropped or timed out."""
 
 
+class ReplicationError(BackendError):
+    """Raised by `Worqr.enqueue` with ``wait_replicas`` when fewer replicas than asked
+    confirmed the tasks in time. The tasks are queued on the primary; a failover
+    before they reach a replica could lose them."""
+
+
 class AuthenticationFailedError(BackendError):
     """Raised when Redis rejects the credentials."""
 
@@ -91,14 +100,36 @@ class PermissionDeniedError(BackendError):
     """Raised when the Redis ACL user may not run a command or touch a key."""
 
 
-def translate(exc: redis.exceptions.RedisError) -> BackendError:
+_UNAVAILABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,  # a Cluster with slots unserved (failing over)
+    redis.exceptions.MovedError,  # a slot still moving after worqr re-routed it
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,  # no primary serves the slot now
+)
+
+
+def translate(
+    exc: redis.exceptions.RedisError | redis.exceptions.RedisClusterException,
+) -> BackendError:
     """Map a redis-py error to the matching worqr error (the caller chains it)."""
     if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.AuthorizationError):
         return AuthenticationFailedError(f"Redis rejected the credentials: {exc}")
     if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
         return PermissionDeniedError(f"Redis ACL denies this: {exc}")
-    if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+    if isinstance(exc, redis.exceptions.MovedError):
+        return BackendUnavailableError(
+            f"Redis is unavailable: MOVED {exc} (a slot still moving; or, if this is a"
+            " one-server client of a Cluster node, use RedisCluster or redis+cluster://)"
+        )
+    if isinstance(exc, _UNAVAILABLE):
         return BackendUnavailableError(f"Redis is unavailable: {exc}")
+    if isinstance(exc, redis.exceptions.RedisClusterException) and "cannot be connected" in str(
+        exc
+    ):
+        return BackendUnavailableError(f"Redis is unavailable: {exc}")  # no seed node answers
     return BackendError(f"Redis error: {exc}")
 
 
@@ -109,7 +140,39 @@ def redis_boundary(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T
     async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         try:
             return await fn(*args, **kwargs)
-        except redis.exceptions.RedisError as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise translate(exc) from exc
+        except (AttributeError, TypeError) as exc:
+            if not _connection_pulled_away(exc):
+                raise
+            raise BackendUnavailableError(
+                f"Redis is unavailable: a connection was closed while in use ({exc!r})"
+            ) from exc
 
     return wrapper
+
+
+def _connection_pulled_away(exc: AttributeError | TypeError) -> bool:
+    """Whether ``exc`` is redis-py meeting a connection closed under a command.
+
+    redis-py's asyncio connections can fail that way instead of with a ConnectionError:
+    after a Cluster topology change it disconnects a node's idle connections from a
+    snapshot, so one taken for a command meanwhile finds its reader or writer gone;
+    and a write to a transport that the peer reset can fail inside asyncio (redis-py
+    issues 2349 and 4287). Either is an error on ``None`` raised below redis-py's
+    connection code: a lost connection, not a bug of the caller's.
+    """
+    if "'NoneType' object" not in str(exc):
+        return False
+    return any(
+        _in_connection_code(Path(frame.filename).parts)
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
+
+
+def _in_connection_code(parts: tuple[str, ...]) -> bool:
+    """Whether a source path is redis-py's asyncio connection or reply parser code."""
+    return parts[-3:] == ("redis", "asyncio", "connection.py") or parts[-3:-1] == (
+        "redis",
+        "_parsers",
+    )

@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import random
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import anyio
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
-from ._connections import pool_without_retries
+from ._connections import Client, subscriber_pool
 from ._errors import (
     AuthenticationFailedError,
     BackendError,
@@ -57,13 +58,15 @@ class Events:
 
     def __init__(
         self,
-        client: Redis,
+        client: Client,
         keys: Keys,
         on_reconnect: Callable[[], Awaitable[None]],
         log: PeerLog,
     ) -> None:
         self._log = log
-        self._pool = pool_without_retries(client)
+        self._client = client
+        self._spread = random.randrange(1 << 16)  # which Cluster node to start on
+        self._pool: ConnectionPool | None = None  # one server's: kept across reconnects
         self._keys = keys
         self._on_reconnect = on_reconnect
         self._listeners: dict[str, list[Listener]] = {}
@@ -155,7 +158,8 @@ class Events:
         for event in self._settled.values():
             event.set()
         self._settled.clear()
-        await self._pool.aclose()
+        if self._pool is not None:
+            await self._pool.aclose()
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -186,8 +190,16 @@ class Events:
         """Subscribe to what is wanted and deliver messages; reconnect with backoff."""
         backoff = 0.05
         reconnecting = False
+        attempt = 0
         while True:
-            pubsub = PubSub(self._pool)
+            try:
+                pubsub = await self._pubsub(attempt)
+            except (RedisError, RedisClusterException, OSError) as exc:  # no node answers now
+                self._log.warning("event subscriber cannot reach Redis (%s); retrying", exc)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF)
+                continue
+            attempt += 1
             try:
                 await self._serve(pubsub, reconnecting)
             except Exception as exc:  # never let the subscriber die: it is the fleet's ears
@@ -207,6 +219,16 @@ class Events:
             finally:
                 with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
+
+    async def _pubsub(self, attempt: int) -> PubSub:
+        """A subscriber on a connection that never resends (on a Cluster, through
+        the next node at each reconnect: see `subscriber_pool`)."""
+        if self._pool is not None:
+            return PubSub(self._pool)
+        pool = await subscriber_pool(self._client, attempt, self._spread)
+        if isinstance(pool, ConnectionPool):
+            self._pool = pool
+        return PubSub(pool)  # type: ignore[arg-type]
 
     def _lose_confirmations(self) -> None:
         self._confirmed.clear()

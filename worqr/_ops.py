@@ -2,8 +2,9 @@
 
 One function per transition. Each docstring names the keys it touches and the
 numbered commands it runs, as drawn in docs/diagrams/. Every MULTI/EXEC block
-touches the keys of one hash slot; registry updates (other slots) are separate
-single-key commands ordered so that a crash between them loses nothing.
+touches the keys of one hash slot and runs on the server of that slot (`on_slot`);
+registry updates (other slots) are separate single-key commands ordered so that a
+crash between them loses nothing (docs/diagrams/cluster.md gives the argument).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from ._errors import BackendError, BackendUnavailableError, DuplicateTaskError, redis_boundary
+from ._connections import Client as Client
+from ._connections import Pinned, on_slot, pinned
+from ._errors import (
+    BackendError,
+    BackendUnavailableError,
+    DuplicateTaskError,
+    ReplicationError,
+    redis_boundary,
+)
 from ._keys import Keys
 from ._models import FailedTask, Process, WorkerInfo
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
@@ -29,8 +38,7 @@ from ._names import ProcessRef, new_process_id, parse_process_id, split_process_
 _T = TypeVar("_T")
 _MAX_ATTEMPTS = 100
 
-Client = Redis
-"""The data connection (pool) worqr writes through."""
+Command = tuple[str | int | float, ...]
 
 
 def text(value: bytes | str) -> str:
@@ -50,9 +58,37 @@ def done_record(process_id: str, worker_id: str, task: str, result: str | None) 
     )
 
 
-async def call(client: Redis | Pipeline, *args: str | int | float) -> Any:
+async def call(client: Client | Pipeline, *args: str | int | float) -> Any:
     """Run one command now and return its raw reply."""
     return await cast("Awaitable[Any]", client.execute_command(*args))
+
+
+async def _pipelined(client: Redis, commands: Iterable[Command]) -> list[Any]:
+    """Send commands in one round trip, without MULTI; their replies in order."""
+    async with client.pipeline(transaction=False) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = await pipe.execute()
+        return replies
+
+
+async def _in_order(r: Client, groups: Sequence[tuple[str, Sequence[Command]]]) -> list[Any]:
+    """Run groups of commands, each group applied after the one before it and each on
+    the server of its key's slot; the replies of all, in order.
+
+    On one server the groups go in one pipeline (one connection keeps the order), in
+    one round trip; on a Cluster each group is a round trip of its own.
+    """
+    if isinstance(r, Redis):
+        return await _pipelined(r, [command for _, commands in groups for command in commands])
+    replies: list[Any] = []
+    for key, commands in groups:
+
+        async def run(node: Redis, group: Sequence[Command] = commands) -> list[Any]:
+            return await _pipelined(node, group)
+
+        replies += await on_slot(r, key, run)
+    return replies
 
 
 async def _optimistic(
@@ -66,47 +102,86 @@ async def _optimistic(
     connection lost while watching (redis-py reports it as a WatchError rather than
     resending) is not re-run: the outcome is unknown, so `BackendUnavailableError`.
     """
-    async with r.pipeline(transaction=True) as pipe:
-        for _ in range(_MAX_ATTEMPTS):
-            try:
-                await pipe.watch(*watch)
-                result = await body(pipe)
-                if not pipe.explicit_transaction:
-                    await pipe.reset()
-                    return result, []
-                return result, await pipe.execute()
-            except WatchError as exc:
-                if isinstance(exc.__context__, RedisConnectionError | RedisTimeoutError):
-                    raise BackendUnavailableError(
-                        "connection lost while a transaction was in flight; "
-                        "it may or may not have been applied"
-                    ) from exc
-                continue
-    raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {watch[0]}")
+
+    async def attempts(node: Redis) -> tuple[_T, list[Any]]:
+        async with node.pipeline(transaction=True) as pipe:
+            for _ in range(_MAX_ATTEMPTS):
+                try:
+                    await pipe.watch(*watch)
+                    result = await body(pipe)
+                    if not pipe.explicit_transaction:
+                        await pipe.reset()
+                        return result, []
+                    try:
+                        return result, await pipe.execute()
+                    except (RedisConnectionError, RedisTimeoutError) as exc:
+                        raise _unknown_outcome() from exc
+                except WatchError as exc:
+                    if isinstance(exc.__context__, RedisConnectionError | RedisTimeoutError):
+                        raise _unknown_outcome() from exc
+                    continue
+        raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {watch[0]}")
+
+    return await on_slot(r, watch[0], attempts)
+
+
+def _unknown_outcome() -> BackendUnavailableError:
+    return BackendUnavailableError(
+        "connection lost while a transaction was in flight; it may or may not have been applied"
+    )
+
+
+async def _wait(one: Pinned, wait: tuple[int, int]) -> int:
+    """How many replicas have the writes made on ``one``'s connection (`Pinned.wait`)."""
+    try:
+        return await one.wait(*wait)
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise ReplicationError(
+            f"the tasks are queued, but whether replicas have them is unknown: {exc}"
+        ) from exc
 
 
 # -- queues and tasks -------------------------------------------------------------------
 
 
 @redis_boundary
-async def enqueue(r: Client, keys: Keys, queue: str, tasks: Sequence[str]) -> None:
-    """Append tasks at the back of the queue.
+async def enqueue(
+    r: Client, keys: Keys, queue: str, tasks: Sequence[str], wait: tuple[int, int] | None = None
+) -> int | None:
+    """Append tasks at the back of the queue; with ``wait`` (replicas, timeout in ms),
+    return how many replicas confirmed the push.
 
-    Keys: queues (SET), tasks (LIST). One round trip:
+    Keys: queues (SET), tasks (LIST). One round trip (two on a Cluster):
       1. SADD queues queue
       2. RPUSH tasks task... (one command: all tasks or none)
-      3. PUBLISH events work:<count>
+      3. PUBLISH events work:<count>  (on the connection of 2: after the push)
+      4. WAIT <replicas> <timeout>     (with ``wait``: 1 first, then 2-3 and WAIT on one
+                                        connection; WAIT is never resent)
     """
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SADD", keys.queues, queue)
-        pipe.execute_command("RPUSH", keys.tasks(queue), *tasks)
-        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
-        await pipe.execute()
+    register: list[Command] = [("SADD", keys.queues, queue)]
+    push: list[Command] = [
+        ("RPUSH", keys.tasks(queue), *tasks),
+        ("PUBLISH", keys.events(queue), event("work", str(len(tasks)))),
+    ]
+    if wait is None:
+        await _in_order(r, [(keys.queues, register), (keys.tasks(queue), push)])
+        return None
+
+    async def waited(node: Redis) -> int:
+        async with pinned(node) as one:  # WAIT counts the writes of its own connection
+            await _pipelined(one.client, push)
+            return await _wait(one, wait)
+
+    await _in_order(r, [(keys.queues, register)])
+    return await on_slot(r, keys.tasks(queue), waited)
 
 
 @redis_boundary
-async def enqueue_unique(r: Client, keys: Keys, queue: str, tasks: Sequence[str]) -> None:
-    """Append tasks that must not already hold a unique mark in this queue.
+async def enqueue_unique(
+    r: Client, keys: Keys, queue: str, tasks: Sequence[str], wait: tuple[int, int] | None = None
+) -> int | None:
+    """Append tasks that must not already hold a unique mark in this queue; with
+    ``wait``, as `enqueue`.
 
     WATCH is needed: two producers must not both see "absent" and both push.
     Keys: queues (SET), unique (SET), tasks (LIST).
@@ -118,6 +193,7 @@ async def enqueue_unique(r: Client, keys: Keys, queue: str, tasks: Sequence[str]
       6. SADD unique task...
       7. PUBLISH events work:<count>
       8. EXEC                            -> nil (unique changed): back to 2
+      9. WAIT <replicas> <timeout>       (with ``wait``; on the connection of 2-8)
     """
     if len(set(tasks)) != len(tasks):
         raise DuplicateTaskError("the same unique task appears twice in one enqueue")
@@ -136,7 +212,16 @@ async def enqueue_unique(r: Client, keys: Keys, queue: str, tasks: Sequence[str]
         pipe.execute_command("SADD", keys.unique(queue), *tasks)
         pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
 
-    await _optimistic(r, [keys.unique(queue)], body)
+    if wait is None:
+        await _optimistic(r, [keys.unique(queue)], body)
+        return None
+
+    async def waited(node: Redis) -> int:
+        async with pinned(node) as one:  # WAIT counts the writes of its own connection
+            await _optimistic(one.client, [keys.unique(queue)], body)
+            return await _wait(one, wait)
+
+    return await on_slot(r, keys.unique(queue), waited)
 
 
 @redis_boundary
@@ -151,13 +236,17 @@ async def cancel(r: Client, keys: Keys, queue: str, task: str) -> int:
       5. PUBLISH events cancel:<task>   (running copies are the handlers' to stop)
       6. EXEC
     """
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.execute_command("LREM", keys.tasks(queue), 0, task)
-        pipe.execute_command("SREM", keys.unique(queue), task)
-        pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
-        pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", task))
-        removed, _, _, _ = await pipe.execute()
-    return int(removed)
+
+    async def run(node: Redis) -> int:
+        async with node.pipeline(transaction=True) as pipe:
+            pipe.execute_command("LREM", keys.tasks(queue), 0, task)
+            pipe.execute_command("SREM", keys.unique(queue), task)
+            pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
+            pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", task))
+            removed, _, _, _ = await pipe.execute()
+        return int(removed)
+
+    return await on_slot(r, keys.tasks(queue), run)
 
 
 @redis_boundary
@@ -300,8 +389,8 @@ async def dequeue(
     """Move up to ``count`` tasks from the head of the queue into new processes of
     this worker, in queue order; an empty list when the queue is empty.
 
-    ``once`` is a client whose connections never resend (see `_connections`): the
-    transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each id
+    ``once`` is a client whose transactions are never resent (see `_connections`):
+    the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each id
     tells whether it took effect: then its processes are adopted, else it runs again.
     Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET).
       1. LLEN tasks                       -> 0: return (an idle poll costs one command)
@@ -323,15 +412,20 @@ async def dequeue(
     ids = [new_process_id(worker_id, queue).id for _ in range(min(count, length))]
     procs = [keys.process(queue, pid) for pid in ids]
     held = keys.held(queue, worker_id)
+
+    async def take(node: Redis) -> list[Any]:
+        async with node.pipeline(transaction=True) as pipe:
+            for proc in procs:
+                pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
+            pipe.execute_command("SADD", held, *ids)
+            pipe.execute_command("SADD", keys.holders(queue), worker_id)
+            replies: list[Any] = await pipe.execute()
+            return replies[: len(procs)]
+
     tasks: list[Any] = []
     for _ in range(_MAX_ATTEMPTS):
         try:
-            async with once.pipeline(transaction=True) as pipe:
-                for proc in procs:
-                    pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
-                pipe.execute_command("SADD", held, *ids)
-                pipe.execute_command("SADD", keys.holders(queue), worker_id)
-                tasks = (await pipe.execute())[: len(procs)]
+            tasks = await on_slot(once, keys.tasks(queue), take)
             break
         except (RedisConnectionError, RedisTimeoutError):
             async with r.pipeline(transaction=False) as reads:
@@ -490,13 +584,18 @@ async def stop(r: Client, keys: Keys, ref: ProcessRef) -> str | None:
       5. EXEC
     """
     queue = ref.queue
-    async with r.pipeline(transaction=True) as pipe:
-        pipe.execute_command(
-            "LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"
-        )
-        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
-        pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
-        task, _, _ = await pipe.execute()
+
+    async def run(node: Redis) -> Any:
+        async with node.pipeline(transaction=True) as pipe:
+            pipe.execute_command(
+                "LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"
+            )
+            pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
+            task, _, _ = await pipe.execute()
+        return task
+
+    task = await on_slot(r, keys.tasks(queue), run)
     return None if task is None else text(task)
 
 
@@ -665,16 +764,17 @@ async def register_worker(
 
     The heartbeat comes first so that a listed worker is never mistaken for a dead one.
       1. SET alive <now> PX <timeout>
-      2. SADD workers <w>
-      3. SADD w:queues queue...        (if any)
+      2. SADD w:queues queue...        (if any)
+      3. SADD workers <w>              (after 1 and 2, on a Cluster too)
     """
     queue_list = list(queues)
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms)
-        pipe.execute_command("SADD", keys.workers, worker_id)
-        if queue_list:
-            pipe.execute_command("SADD", keys.worker_queues(worker_id), *queue_list)
-        await pipe.execute()
+    own: list[Command] = [("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms)]
+    if queue_list:
+        own.append(("SADD", keys.worker_queues(worker_id), *queue_list))
+    await _in_order(
+        r,
+        [(keys.heartbeat(worker_id), own), (keys.workers, [("SADD", keys.workers, worker_id)])],
+    )
 
 
 @redis_boundary

@@ -14,22 +14,20 @@ from typing import Any
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.cluster import RedisCluster
 from typing_extensions import Self
 
 from . import _ops
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
-from ._connections import client_without_retries
+from ._connections import Client, client_without_retries, close_client
 from ._consumer import Consumer, Handler
 from ._errors import (
     BackendError,
     ClosedError,
     NotWorkingError,
     ProtocolVersionError,
+    ReplicationError,
     WorkerNotStartedError,
     redis_boundary,
 )
@@ -51,40 +49,51 @@ from ._names import (
 )
 from ._ops import call, text
 from ._supervisor import Supervisor
+from ._urls import Closable, connect
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
 _RECENT = 1000  # dequeue-to-finish times kept per queue for statistics()
 _FINISH_BATCH = 256  # processes finished in one transaction at most
+_CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
 
 
 class Worqr:
     """A peer of a worqr fleet: producer, worker and supervisor of other workers.
 
-    ``redis`` is a `redis.asyncio.Redis` client this object uses but does not close;
-    `Worqr.from_url` builds and owns its own. Events use one more connection of the
-    client's pool (or of ``subscriber``). Times are in seconds.
+    ``redis`` is a `redis.asyncio.Redis` client (of one server, or of a master that
+    Sentinel manages) or a `redis.asyncio.cluster.RedisCluster`; this object uses it
+    but does not close it. `Worqr.from_url` builds and owns its own. Events use one
+    more connection of the client's pool (or of ``subscriber``); on a Cluster, of one
+    node at a time. Times are in seconds.
+
+    ``wait_replicas`` (default 0: off) makes `enqueue` wait until that many replicas
+    have the tasks (Redis ``WAIT``, at most ``wait_timeout``), so that a failover
+    right after it returns cannot lose them (see docs/scaling.md).
     """
 
     def __init__(
         self,
-        redis: Redis,
+        redis: Client,
         *,
         prefix: str = "worqr",
         worker_id: str | None = None,
         heartbeat_interval: float = 1.0,
         worker_timeout: float = 3.0,
         cleanup_interval: float | None = None,
-        subscriber: Redis | None = None,
+        subscriber: Client | None = None,
         quarantine_after: int | None = 3,
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
     ) -> None:
-        if not isinstance(redis, Redis):
+        if not isinstance(redis, Redis | RedisCluster):
             raise TypeError(
-                f"redis must be a redis.asyncio.Redis, not {type(redis).__name__}"
-                " (RedisCluster clients are not supported yet)"
+                "redis must be a redis.asyncio.Redis or redis.asyncio.cluster.RedisCluster,"
+                f" not {type(redis).__name__}"
             )
-        if subscriber is not None and not isinstance(subscriber, Redis):
+        if subscriber is not None and not isinstance(subscriber, Redis | RedisCluster):
             raise TypeError(
-                f"subscriber must be a redis.asyncio.Redis, not {type(subscriber).__name__}"
+                "subscriber must be a redis.asyncio.Redis or RedisCluster,"
+                f" not {type(subscriber).__name__}"
             )
         self._heartbeat_interval = check_interval("heartbeat_interval", heartbeat_interval)
         self._worker_timeout = check_interval("worker_timeout", worker_timeout)
@@ -107,13 +116,22 @@ class Worqr:
         if quarantine_after is not None and quarantine_after < 1:
             raise ValueError(f"quarantine_after must be at least 1, got {quarantine_after}")
         self._quarantine_after = quarantine_after
+        if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
+            raise TypeError(f"wait_replicas must be an int, not {type(wait_replicas).__name__}")
+        if wait_replicas < 0:
+            raise ValueError(f"wait_replicas must be at least 0, got {wait_replicas}")
+        self._wait = (
+            (wait_replicas, max(1, round(check_interval("wait_timeout", wait_timeout) * 1000)))
+            if wait_replicas
+            else None
+        )
         self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._log = PeerLog(self._worker_id)
         self._redis = redis
         self._once = client_without_retries(redis)  # dequeue's transactions: never resent
         self._keys = Keys(check_prefix(prefix))
-        self._owned: list[Redis] = []
+        self._owned: list[Closable] = []
         self._events = Events(subscriber or redis, self._keys, self._after_reconnect, self._log)
         self._runner: asyncio.Task[None] | None = None
         self._runner_scope: anyio.CancelScope | None = None
@@ -134,15 +152,17 @@ class Worqr:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
-        """A `Worqr` with its own client for ``url``, closed with it."""
-        client = Redis.from_url(
-            url,
-            decode_responses=True,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        )
-        worqr = cls(client, **options)
-        worqr._owned.append(client)
+        """A `Worqr` with its own client for ``url``, closed with it.
+
+        ``redis://``, ``rediss://`` and ``unix://`` reach one server;
+        ``redis+cluster://host:port[,host:port...]`` a Redis Cluster, and
+        ``redis+sentinel://host:port[,host:port...]/service[/db]`` the master that
+        Sentinel names for ``service`` (``rediss+`` for TLS; see docs/scaling.md).
+        Raises `ValueError` for a malformed URL.
+        """
+        client, owned = connect(url)
+        worqr = cls(client, **options)  # no connection is open yet if this raises
+        worqr._owned.extend(owned)
         return worqr
 
     @property
@@ -213,31 +233,37 @@ class Worqr:
         queue (`fail_worker`), and close."""
         if self._closed:
             return
-        consumers = list(self._consumers)
-        for consumer in consumers:
-            consumer.stop("shutdown", cancel=False)
-        with anyio.move_on_after(grace):
+        try:
+            consumers = list(self._consumers)
             for consumer in consumers:
-                await consumer.wait_idle()
-        for consumer in consumers:
-            consumer.stop("shutdown", cancel=True)
-        with anyio.move_on_after(1.0):
+                consumer.stop("shutdown", cancel=False)
+            with anyio.move_on_after(grace):
+                for consumer in consumers:
+                    await consumer.wait_idle()
             for consumer in consumers:
-                await consumer.wait_idle()
-        if self._supervisor is not None:
-            try:
-                await self.fail_worker()
-            except BackendError as exc:
-                self._log.warning(
-                    "could not hand work back at shutdown (%s); peers will reclaim it",
-                    exc,
-                    extra={"worker_id": self._worker_id},
-                )
-        await self.close()
+                consumer.stop("shutdown", cancel=True)
+            with anyio.move_on_after(1.0):
+                for consumer in consumers:
+                    await consumer.wait_idle()
+            if self._supervisor is not None:
+                try:
+                    await self.fail_worker()
+                except BackendError as exc:
+                    self._log.warning(
+                        "could not hand work back at shutdown (%s); peers will reclaim it",
+                        exc,
+                        extra={"worker_id": self._worker_id},
+                    )
+        finally:  # even when cancelled: the connections must not outlive the peer
+            await self.close()
 
     async def close(self) -> None:
         """Stop the background loops and close owned connections WITHOUT handing work
-        back: like a crash, peers reclaim this worker's processes after its timeout."""
+        back: like a crash, peers reclaim this worker's processes after its timeout.
+
+        Runs to the end even if the caller is cancelled meanwhile (a cancelled close
+        would leave sockets open), and closes every resource even if one fails.
+        """
         if self._closed:
             return
         self._closed = True
@@ -245,12 +271,16 @@ class Worqr:
             consumer.stop("closed", cancel=True)
         if self._runner_scope is not None:
             self._runner_scope.cancel()
-        if self._runner is not None:
-            await self._runner
-        await self._events.close()
-        await self._once.aclose()
-        for client in self._owned:
-            await client.aclose()
+        with anyio.CancelScope(shield=True):
+            async with contextlib.AsyncExitStack() as closing:  # closes in reverse order
+                for resource in reversed(self._owned):
+                    closing.push_async_callback(resource.aclose)
+                closing.push_async_callback(close_client, self._once, self._redis)
+                closing.push_async_callback(self._events.close)
+                if self._runner is not None:  # bounded: a shielded wait must not hang
+                    ended, _ = await asyncio.wait([self._runner], timeout=_CLOSE_LIMIT)
+                    for runner in ended:
+                        runner.result()  # the loops' own failure, if any, surfaces here
 
     # -- queues ------------------------------------------------------------------------
 
@@ -289,14 +319,20 @@ class Worqr:
         """Append one task or a sequence of tasks at the back of the queue, atomically.
 
         With ``unique``, raises `DuplicateTaskError` (writing nothing) while an
-        identical unique task is queued or in process in this queue.
+        identical unique task is queued or in process in this queue. With
+        ``wait_replicas`` (see the constructor), returns once that many replicas have
+        the tasks, or raises `ReplicationError` after ``wait_timeout``.
         """
         check_queue(queue)
         tasks = check_tasks(task_or_tasks)
-        if unique:
-            await _ops.enqueue_unique(self._redis, self._keys, queue, tasks)
-        else:
-            await _ops.enqueue(self._redis, self._keys, queue, tasks)
+        push = _ops.enqueue_unique if unique else _ops.enqueue
+        confirmed = await push(self._redis, self._keys, queue, tasks, self._wait)
+        if self._wait is not None and confirmed is not None and confirmed < self._wait[0]:
+            raise ReplicationError(
+                f"{len(tasks)} task(s) are queued in {queue!r} on the primary, but only "
+                f"{confirmed} of {self._wait[0]} replicas confirmed them within "
+                f"{self._wait[1] / 1000:g} s: a failover now could lose them"
+            )
 
     async def cancel_tasks(self, queue: str, task: str) -> int:
         """Remove every queued copy of ``task``; publishes ``cancel`` so that workers

@@ -1,0 +1,71 @@
+"""`wait_replicas`: an enqueue that returns only once replicas have its tasks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from redis.asyncio import Redis
+
+from worqr import ReplicationError, Worqr
+
+from .helpers import FAST
+
+
+def _cluster_url(node_url: str) -> str:
+    return node_url.replace("redis://", "redis+cluster://", 1)
+
+
+@pytest.mark.parametrize("unique", [False, True])
+async def test_on_a_cluster_one_replica_confirms_and_two_cannot(
+    cluster_url: str, prefix: str, unique: bool
+) -> None:
+    url = _cluster_url(cluster_url)
+    async with Worqr.from_url(url, prefix=prefix, wait_replicas=1, **FAST) as worqr:
+        await worqr.enqueue("jobs", ["a", "b"], unique=unique)
+    async with Worqr.from_url(
+        url, prefix=prefix, wait_replicas=2, wait_timeout=0.2, **FAST
+    ) as worqr:
+        started = time.monotonic()
+        with pytest.raises(ReplicationError, match="only 1 of 2 replicas"):
+            await worqr.enqueue("jobs", ["c"], unique=unique)
+        assert time.monotonic() - started >= 0.2
+        # The primary has the tasks: the error says they may be lost, not that they are.
+        assert await worqr.get_tasks("jobs") == ["a", "b", "c"]
+
+
+async def test_a_server_without_replicas_cannot_confirm(real_client: Redis, prefix: str) -> None:
+    worqr = Worqr(real_client, prefix=prefix, wait_replicas=1, wait_timeout=0.05, **FAST)
+    async with worqr:
+        with pytest.raises(ReplicationError, match="only 0 of 1 replicas"):
+            await worqr.enqueue("jobs", "a")
+        assert await worqr.get_tasks("jobs") == ["a"]
+
+
+@pytest.mark.parametrize("unique", [False, True])
+async def test_a_wait_longer_than_the_socket_timeout_pushes_once(
+    redis_url: str, prefix: str, unique: bool
+) -> None:
+    url = f"{redis_url}?socket_timeout=0.2"  # shorter than the WAIT: it must not be resent
+    async with Worqr.from_url(
+        url, prefix=prefix, wait_replicas=1, wait_timeout=0.6, **FAST
+    ) as worqr:
+        with pytest.raises(ReplicationError, match="only 0 of 1"):
+            await worqr.enqueue("jobs", "a", unique=unique)
+        assert await worqr.get_tasks("jobs") == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"wait_replicas": -1}, ValueError, "at least 0"),
+        ({"wait_replicas": True}, TypeError, "must be an int"),
+        ({"wait_replicas": 1.0}, TypeError, "must be an int"),
+        ({"wait_replicas": 1, "wait_timeout": 0}, ValueError, "wait_timeout"),
+    ],
+)
+async def test_bad_wait_options_are_refused(
+    real_client: Redis, options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        Worqr(real_client, **options)  # type: ignore[arg-type]
