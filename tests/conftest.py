@@ -81,8 +81,12 @@ def prefix() -> str:
 
 
 @pytest.fixture
-async def make(client: Client, prefix: str) -> AsyncIterator[Factory]:
-    """Build `Worqr` peers on the test's backend and prefix; all are closed afterwards."""
+async def make(client: Client, prefix: str, real_client: Redis) -> AsyncIterator[Factory]:
+    """Build `Worqr` peers on the test's backend and prefix; all are closed afterwards.
+
+    It takes ``real_client`` too, so peers a test builds on it (``redis=real_client``)
+    close before that client does: closing a peer sends commands, and a command on a
+    closed redis-py client opens a connection nothing would close."""
     peers: list[Worqr] = []
 
     def factory(**options: Any) -> Worqr:

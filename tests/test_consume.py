@@ -118,6 +118,9 @@ async def test_retry_failed_with_limit(make: Factory) -> None:
     worker = make()
 
     async def handler(process: Process) -> None:
+        # A failure may be recorded after the next handler starts; wait for the previous
+        # one so that the failed list's order is the tasks' order.
+        await eventually(lambda: _failed(worker, int(process.task) - 1))
         raise RuntimeError(process.task)
 
     await worker.enqueue("jobs", ["1", "2", "3"])
