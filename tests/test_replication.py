@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import pytest
 from redis.asyncio import Redis
 
@@ -69,3 +70,28 @@ async def test_bad_wait_options_are_refused(
 ) -> None:
     with pytest.raises(error, match=message):
         Worqr(real_client, **options)  # type: ignore[arg-type]
+
+
+async def test_a_wait_whose_connection_is_killed_reports_an_unknown_outcome_and_pushes_once(
+    redis_url: str, real_client: Redis, prefix: str
+) -> None:
+    async with Worqr.from_url(
+        redis_url, prefix=prefix, wait_replicas=1, wait_timeout=5.0, **FAST
+    ) as worqr:
+
+        async def kill_the_waiting_connection() -> None:
+            with anyio.fail_after(5):
+                while True:
+                    waiting = [c for c in await real_client.client_list() if c["cmd"] == "wait"]
+                    if waiting:
+                        await real_client.client_kill_filter(_id=waiting[0]["id"])
+                        return
+                    await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_the_waiting_connection)
+            started = time.monotonic()
+            with pytest.raises(ReplicationError, match="whether replicas have them is unknown"):
+                await worqr.enqueue("jobs", "a")
+        assert time.monotonic() - started < 4.0  # the kill ended it, not the WAIT's timeout
+        assert await worqr.get_tasks("jobs") == ["a"]
