@@ -164,9 +164,15 @@ class Fleet:
     workers: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     spawned: int = 0
 
-    def spawn(self) -> str:
+    async def spawn(self) -> None:
+        """Start a worker and add it to the fleet once it is up; the wait runs in a
+        thread, so a fault schedule can go on while the worker starts."""
         self.spawned += 1
-        log = (self.logs / f"worker-{self.spawned}.log").open("w")
+        worker_id, child = await anyio.to_thread.run_sync(self._start, self.spawned)
+        self.workers[worker_id] = child
+
+    def _start(self, number: int) -> tuple[str, subprocess.Popen[str]]:
+        log = (self.logs / f"worker-{number}.log").open("w")
         child = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.chaos", "--role", "worker", *self._args()],
             stdout=subprocess.PIPE,
@@ -176,9 +182,8 @@ class Fleet:
         assert child.stdout is not None
         worker_id = child.stdout.readline().strip()
         if not worker_id:
-            raise RuntimeError(f"worker {self.spawned} did not start: see {log.name}")
-        self.workers[worker_id] = child
-        return worker_id
+            raise RuntimeError(f"worker {number} did not start: see {log.name}")
+        return worker_id, child
 
     def producer(self, part: int) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -248,19 +253,25 @@ async def inject(server: EmbeddedServer, fleet: Fleet, raw: Redis, faults: Fault
                 if times and now >= times[0]:
                     times.pop(0)
                     await apply(kind, server, fleet, raw, faults, tg)
-            victim = random.choice(sorted(fleet.workers))
-            child = fleet.workers.pop(victim)
-            held_before = await _safe(raw.scard(f"{PREFIX}:q:{{{QUEUE}}}:held:{victim}")) or 0
-            faults.in_flight += held_before
-            child.send_signal(signal.SIGCONT)  # a stopped victim dies too
-            child.kill()
-            killed_at = time.monotonic()
-            faults.kills += 1
-            await anyio.to_thread.run_sync(child.wait)
-            if held_before:
-                tg.start_soon(reclaim_latency, raw, victim, killed_at, faults)
-            await anyio.to_thread.run_sync(fleet.spawn)
+            if fleet.workers:  # the kills keep their pace however slowly workers start
+                await kill(fleet, raw, faults, tg)
+                tg.start_soon(fleet.spawn)
             await anyio.sleep(random.uniform(0.7, 1.3))
+
+
+async def kill(fleet: Fleet, raw: Redis, faults: Faults, tg: anyio.abc.TaskGroup) -> None:
+    """SIGKILL a random worker, and time how long its processes take to come back."""
+    victim = random.choice(sorted(fleet.workers))
+    child = fleet.workers.pop(victim)
+    held_before = await _safe(raw.scard(f"{PREFIX}:q:{{{QUEUE}}}:held:{victim}")) or 0
+    faults.in_flight += held_before
+    child.send_signal(signal.SIGCONT)  # a stopped victim dies too
+    child.kill()
+    killed_at = time.monotonic()
+    faults.kills += 1
+    await anyio.to_thread.run_sync(child.wait)
+    if held_before:
+        tg.start_soon(reclaim_latency, raw, victim, killed_at, faults)
 
 
 async def apply(
@@ -343,7 +354,7 @@ async def run(settings: Settings) -> dict[str, Any]:
         faults = Faults()
         started = time.monotonic()
         for _ in range(settings.workers):
-            await anyio.to_thread.run_sync(fleet.spawn)
+            await fleet.spawn()
         producers = [fleet.producer(part) for part in range(settings.producers)]
         await inject(server, fleet, raw, faults)
         for producer in producers:
