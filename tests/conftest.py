@@ -85,8 +85,8 @@ async def make(client: Client, prefix: str, real_client: Redis) -> AsyncIterator
     """Build `Worqr` peers on the test's backend and prefix; all are closed afterwards.
 
     It takes ``real_client`` too, so peers a test builds on it (``redis=real_client``)
-    close before that client does: closing a peer sends commands, and a command on a
-    closed redis-py client opens a connection nothing would close."""
+    close before that client does: a running peer's loops go on sending commands, and
+    a command on a closed redis-py client reopens a connection nothing would close."""
     peers: list[Worqr] = []
 
     def factory(**options: Any) -> Worqr:

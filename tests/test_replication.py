@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from worqr import ReplicationError, Worqr
 
-from .helpers import FAST
+from .helpers import FAST, eventually
 
 
 def _cluster_url(node_url: str) -> str:
@@ -79,17 +79,14 @@ async def test_a_wait_whose_connection_is_killed_reports_an_unknown_outcome_and_
         redis_url, prefix=prefix, wait_replicas=1, wait_timeout=5.0, **FAST
     ) as worqr:
 
-        async def kill_the_waiting_connection() -> None:
-            with anyio.fail_after(5):
-                while True:
-                    waiting = [c for c in await real_client.client_list() if c["cmd"] == "wait"]
-                    if waiting:
-                        await real_client.client_kill_filter(_id=waiting[0]["id"])
-                        return
-                    await anyio.sleep(0.01)
+        async def killed_the_waiting_connection() -> bool:
+            waiting = [c for c in await real_client.client_list() if c["cmd"] == "wait"]
+            for connection in waiting[:1]:
+                await real_client.client_kill_filter(_id=connection["id"])
+            return bool(waiting)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(kill_the_waiting_connection)
+            tg.start_soon(eventually, killed_the_waiting_connection)
             started = time.monotonic()
             with pytest.raises(ReplicationError, match="whether replicas have them is unknown"):
                 await worqr.enqueue("jobs", "a")
