@@ -6,6 +6,7 @@ gets a fresh key prefix."""
 from __future__ import annotations
 
 import os
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from worqr._connections import Client
 from worqr._embedded import EmbeddedServer, redis_url_or_embedded
 
 from .helpers import FAST, Factory
+from .proxy import LatencyProxy
 
 
 @pytest.fixture(scope="session")
@@ -113,3 +115,12 @@ async def raw(server: EmbeddedServer) -> AsyncIterator[Redis]:
     client = Redis.from_url(server.url, decode_responses=True)
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+async def proxy(redis_url: str) -> AsyncIterator[LatencyProxy]:
+    """A latency-injecting proxy (no delay until the test sets one) in front of the
+    session's server."""
+    port = urllib.parse.urlsplit(redis_url).port or 6379
+    async with LatencyProxy(port).running() as running:
+        yield running

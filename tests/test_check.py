@@ -53,7 +53,7 @@ async def test_orphan_process_list_goes_back_to_the_front(
     assert (await worqr.check()).ok
 
 
-async def test_malformed_process_list_is_dissolved_in_order(
+async def test_malformed_process_list_keeps_its_first_task_and_returns_the_rest_in_order(
     make: Factory, client: Redis, prefix: str
 ) -> None:
     worqr = make()
@@ -63,9 +63,12 @@ async def test_malformed_process_list_is_dissolved_in_order(
     await client.set(f"{prefix}:w:{{w1}}:alive", "1")
     await client.sadd(f"{prefix}:workers", "w1")
     await client.sadd(f"{prefix}:queues", "jobs")
+    await client.rpush(f"{prefix}:q:{{jobs}}:p:{pid}", "c")
     assert await _kinds(worqr) == ["malformed-process"]
     await worqr.check(repair=True)
-    assert await worqr.get_tasks("jobs") == ["a", "b"]
+    # "a" is what w1 was given (and may be running); the others belong in the queue.
+    assert await client.lrange(f"{prefix}:q:{{jobs}}:p:{pid}", 0, -1) == ["a"]
+    assert await worqr.get_tasks("jobs") == ["b", "c"]
     assert (await worqr.check()).ok
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -21,7 +21,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Worqr
-from worqr._run import serve
+from worqr._run import _parent_death_hook, serve
 
 from .helpers import eventually
 
@@ -61,13 +61,28 @@ class Run:
         return self.log.read_text(errors="replace")
 
 
+PLAIN_ASYNCIO = [
+    sys.executable,
+    "-c",
+    "import sys; sys.modules['uvloop'] = None; from worqr._cli import main; sys.exit(main())",
+]
+"""The command line on the standard asyncio loop: with uvloop hidden, `worqr._loop.run`
+does not pick it."""
+
+
 @contextlib.asynccontextmanager
 async def worqr_run(
-    url: str, prefix: str, tmp_path: Path, command: list[str], *options: str
+    url: str,
+    prefix: str,
+    tmp_path: Path,
+    command: list[str],
+    *options: str,
+    entry: Sequence[str] = (str(SCRIPT),),
 ) -> AsyncIterator[Run]:
-    """Start ``worqr run jobs [options] -- command``; killed if still running at the end."""
+    """Start ``worqr run jobs [options] -- command`` (through ``entry``, the console
+    script unless told); killed if still running at the end."""
     log = tmp_path / f"run-{uuid.uuid4().hex[:6]}.log"
-    argv = [str(SCRIPT), "--url", url, "--prefix", prefix, "--debug", "run"]
+    argv = [*entry, "--url", url, "--prefix", prefix, "--debug", "run"]
     with _open_log(log) as sink:
         process = await anyio.open_process(
             [*argv, QUEUE, *options, "--", *command],
@@ -311,6 +326,47 @@ async def test_a_cancelled_child_that_ignores_sigterm_is_killed_after_5_s(
         run.send_signal(signal.SIGTERM)
         assert await run.exit_code() == 0
     assert "still running after 5 s; SIGKILL" in run.text()
+
+
+ORPHAN = """
+echo $$ > "$1/child.pid"
+exec sleep 60
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_a_sigkilled_worker_takes_its_child_with_it(
+    redis_url: str, prefix: str, peer: Worqr, tmp_path: Path, loop: str
+) -> None:
+    # Else the child would run on while a peer reclaims its task and starts it again.
+    await peer.enqueue(QUEUE, "orphan")
+    command = ["sh", "-c", ORPHAN, "sh", str(tmp_path)]
+    entry = [str(SCRIPT)] if loop == "uvloop" else PLAIN_ASYNCIO
+    child = 0
+    try:
+        async with worqr_run(redis_url, prefix, tmp_path, command, entry=entry) as run:
+            child = await read_pid(tmp_path / "child.pid")
+            assert alive(child)
+            run.send_signal(signal.SIGKILL)
+            assert await run.exit_code() == -signal.SIGKILL
+            await eventually(lambda: not alive(child), 10)
+    finally:
+        if child and alive(child):  # the bug: do not leave it running for a minute
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_child_orphaned_before_asking_for_the_signal_exits_instead_of_running() -> None:
+    hook = _parent_death_hook(-1)  # never the child's parent: as if it had died already
+    assert hook is not None
+    result = subprocess.run(
+        [sys.executable, "-c", "print('started')"],
+        preexec_fn=hook,
+        capture_output=True,
+        timeout=30,
+    )
+    assert (result.returncode, result.stdout) == (1, b"")
 
 
 async def test_sigterm_lets_a_child_finish_within_the_grace(

@@ -15,13 +15,13 @@ from worqr import BackendUnavailableError, Worqr
 from worqr._embedded import EmbeddedServer
 
 from .helpers import FAST, raw_keys
-from .proxy import LossyProxy
+from .proxy import LatencyProxy
 
 
 @pytest.fixture
-async def proxied() -> AsyncIterator[tuple[LossyProxy, Redis, Redis]]:
+async def proxied() -> AsyncIterator[tuple[LatencyProxy, Redis, Redis]]:
     with EmbeddedServer() as server:
-        proxy = LossyProxy(server.port)
+        proxy = LatencyProxy(server.port)
         async with proxy.running():
             resending = Redis.from_url(
                 proxy.url, decode_responses=True, retry=Retry(NoBackoff(), 3)
@@ -33,7 +33,7 @@ async def proxied() -> AsyncIterator[tuple[LossyProxy, Redis, Redis]]:
 
 
 async def test_dequeue_whose_reply_was_lost_adopts_its_process(
-    proxied: tuple[LossyProxy, Redis, Redis],
+    proxied: tuple[LatencyProxy, Redis, Redis],
 ) -> None:
     proxy, resending, direct = proxied
     worqr = Worqr(resending, prefix="lossy", **FAST)
@@ -55,7 +55,7 @@ async def test_dequeue_whose_reply_was_lost_adopts_its_process(
 
 
 async def test_batch_dequeue_whose_reply_was_lost_adopts_every_process(
-    proxied: tuple[LossyProxy, Redis, Redis],
+    proxied: tuple[LatencyProxy, Redis, Redis],
 ) -> None:
     proxy, resending, direct = proxied
     worqr = Worqr(resending, prefix="lossyk", **FAST)
@@ -79,7 +79,7 @@ async def test_batch_dequeue_whose_reply_was_lost_adopts_every_process(
 
 
 async def test_finish_whose_reply_was_lost_ends_the_process_once(
-    proxied: tuple[LossyProxy, Redis, Redis],
+    proxied: tuple[LatencyProxy, Redis, Redis],
 ) -> None:
     proxy, resending, direct = proxied
     worqr = Worqr(resending, prefix="lossy2", **FAST)
@@ -101,7 +101,7 @@ async def test_finish_whose_reply_was_lost_ends_the_process_once(
 
 
 async def test_unique_enqueue_whose_reply_was_lost_does_not_claim_a_duplicate(
-    proxied: tuple[LossyProxy, Redis, Redis],
+    proxied: tuple[LatencyProxy, Redis, Redis],
 ) -> None:
     proxy, resending, direct = proxied
     worqr = Worqr(resending, prefix="lossy3", **FAST)

@@ -3,9 +3,11 @@ invariants (every task in exactly one place, every process owned, no bookkeeping
 dead workers left behind). An admin operation: it SCANs the keyspace once (on a
 Cluster, every primary's).
 
-On a live fleet an operation in flight can show for a moment as a finding (for
-example an empty dequeue between its two steps); every repair re-checks under WATCH
-before it writes, so repairing such a finding changes nothing.
+On a live fleet an operation in flight can show for a moment as a finding (an empty
+dequeue between its two steps, a held set the SCAN missed because it was created
+while the SCAN ran): a second look drops those, and every repair re-checks its
+finding under WATCH before it writes, so repairing a live fleet moves no task that a
+worker holds.
 """
 
 from __future__ import annotations
@@ -130,13 +132,15 @@ async def _read(r: Client, keys: Keys) -> _State:
 
 
 @redis_boundary
-async def _still_dangling(
+async def _second_look(
     r: Client, keys: Keys, candidates: list[tuple[str, str, str]]
-) -> list[tuple[str, str, str]]:
-    """The candidates that are still recorded without a process list a moment later.
+) -> list[tuple[bool, bool]]:
+    """For each (queue, worker, id): whether the id is recorded in the worker's held
+    set and whether its process list exists, a moment after the SCAN.
 
-    An empty dequeue records its id and withdraws it one round trip later; a second
-    look tells that passing state from a stuck one.
+    One SCAN is not a snapshot: an empty dequeue records its id and withdraws it one
+    round trip later, and a held set created while the SCAN ran can be missed. A
+    finding is kept only if it still holds at the second look.
     """
     if not candidates:
         return []
@@ -147,9 +151,8 @@ async def _still_dangling(
             pipe.execute_command("EXISTS", keys.process(queue, pid))
         replies = await pipe.execute()
     return [
-        candidate
-        for candidate, recorded, exists in zip(candidates, replies[::2], replies[1::2], strict=True)
-        if recorded and not exists
+        (bool(recorded), bool(exists))
+        for recorded, exists in zip(replies[::2], replies[1::2], strict=True)
     ]
 
 
@@ -158,32 +161,44 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
     state = await _read(r, keys)
     problems: list[Problem] = []
     recorded = {(queue, pid) for (queue, _), pids in state.held.items() for pid in pids}
-    for (queue, pid), length in sorted(state.process_lengths.items()):
-        owner = parse_process_id(pid).worker_id
-        if (queue, pid) not in recorded:
-            problems.append(
-                Problem("orphan-process", "a process list no worker records", queue, owner, pid)
-            )
-        elif length != 1:
-            problems.append(
-                Problem("malformed-process", f"a process list of {length} tasks", queue, owner, pid)
-            )
+    orphans = [
+        (queue, parse_process_id(pid).worker_id, pid)
+        for queue, pid in sorted(state.process_lengths)
+        if (queue, pid) not in recorded
+    ]
     dangling = [
         (queue, worker_id, pid)
         for (queue, worker_id), pids in sorted(state.held.items())
         for pid in sorted(pids)
         if (queue, pid) not in state.process_lengths
     ]
-    for queue, worker_id, pid in await _still_dangling(r, keys, dangling):
-        problems.append(
-            Problem(
-                "dangling-process-id",
-                "a recorded process id without its process list",
-                queue,
-                worker_id,
-                pid,
+    looks = await _second_look(r, keys, orphans + dangling)
+    for (queue, owner, pid), (is_recorded, exists) in zip(
+        orphans, looks[: len(orphans)], strict=True
+    ):
+        if exists and not is_recorded:
+            problems.append(
+                Problem("orphan-process", "a process list no worker records", queue, owner, pid)
             )
-        )
+    for (queue, pid), length in sorted(state.process_lengths.items()):
+        if (queue, pid) in recorded and length != 1:
+            owner = parse_process_id(pid).worker_id
+            problems.append(
+                Problem("malformed-process", f"a process list of {length} tasks", queue, owner, pid)
+            )
+    for (queue, worker_id, pid), (is_recorded, exists) in zip(
+        dangling, looks[len(orphans) :], strict=True
+    ):
+        if is_recorded and not exists:
+            problems.append(
+                Problem(
+                    "dangling-process-id",
+                    "a recorded process id without its process list",
+                    queue,
+                    worker_id,
+                    pid,
+                )
+            )
     dead_holders = {w for (_, w), pids in state.held.items() if pids and w not in state.alive}
     for worker_id in sorted(dead_holders | (state.workers - state.alive)):
         problems.append(

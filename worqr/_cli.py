@@ -375,7 +375,10 @@ the task, with the last line of stdout as its result; any other exit moves the t
 the failed list with "CommandFailed: exit code N: <end of stderr>". A cancel event for a
 running task stops its child (SIGTERM, SIGKILL 5 s later) and finishes the task. SIGTERM
 or SIGINT to worqr run stops taking work, lets running children finish for up to --grace
-seconds, then stops them and hands their tasks back to the front of the queue."""
+seconds, then stops them and hands their tasks back to the front of the queue. If worqr
+run is killed outright (SIGKILL, a crash), on Linux each child gets SIGKILL with it;
+processes a child started run on unless it passes that on (exec its last command, or
+setpriv --pdeathsig KILL). Elsewhere children outlive a killed worqr run."""
 
 
 def count(value: str) -> int:

@@ -57,11 +57,11 @@ class Unreachable(RedisConnectionError):
     is safe whatever the command was."""
 
 
-def pool_without_retries(client: Redis) -> ConnectionPool:
+def pool_without_retries(client: Redis, **overrides: Any) -> ConnectionPool:
     """A new pool like the client's (same address, credentials, TLS, Sentinel service),
-    whose connections never resend."""
+    whose connections never resend; ``overrides`` change other connection options."""
     pool = client.connection_pool
-    options = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+    options = {**pool.connection_kwargs, **overrides, "retry": Retry(NoBackoff(), 0)}
     if isinstance(pool, SentinelConnectionPool):
         del options["connection_pool"]  # the new pool puts itself there
         return SentinelConnectionPool(
@@ -294,8 +294,8 @@ async def subscriber_pool(client: Client, attempt: int, spread: int) -> Connecti
     fleet's subscribers spread over the nodes), and each reconnect moves on to the
     next node, after a fresh read of the topology, so a failed node is left behind.
     """
-    if isinstance(client, Redis):
-        return pool_without_retries(client)
+    if isinstance(client, Redis):  # bytes: undecodable messages are the subscriber's to skip
+        return pool_without_retries(client, decode_responses=False)
     await client.initialize()
     if attempt:
         routes = _routes_of(client)

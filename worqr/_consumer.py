@@ -10,6 +10,7 @@ from typing import Protocol
 import anyio
 
 from ._errors import BackendError
+from ._events import work_count
 from ._log import PeerLog
 from ._models import Process
 
@@ -64,7 +65,7 @@ class Consumer:
     def hook(self, kind: str, message: str) -> None:
         """React to an event on the queue."""
         if kind == "work":  # "work:N" announces N tasks; a bare "work:" asks for a look
-            self._announced += int(message) if message.isdigit() else 0
+            self._announced += work_count(message)
             self._backlog = True
             self._wake.set()
         elif kind == "cancel":

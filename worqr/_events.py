@@ -2,6 +2,13 @@
 
 Pub/sub is a hint, not the source of truth: a message lost while the subscriber
 reconnects only delays work until the next periodic re-check of the queue.
+
+Two kinds of receivers: internal hooks (the consumers' wake-up, cancel and stop), run
+at once wherever an event arises, and users' listeners, run one event at a time on a
+delivery task of their own. So a slow listener delays only other listeners: never the
+subscriber's reading, a consumer's reaction, or the heartbeat loop that reports
+``lost``. Whatever arrives on a channel is parsed totally: a message that makes no
+sense is logged and skipped, and the next one is delivered as usual.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import contextlib
 import inspect
 import json
 import random
+from collections import deque
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
@@ -38,6 +46,8 @@ Hook = Callable[[str, str], None]
 _POLL = 0.05
 _MAX_BACKOFF = 2.0
 _SETTLE_LIMIT = 10.0
+_BACKLOG = 10_000  # events waiting for listeners before the subscriber stops reading
+_MAX_COUNT_DIGITS = 18  # a ``work:N`` count longer than this is not a count
 
 
 class Subscribed:
@@ -78,6 +88,9 @@ class Events:
         self._queue_of: dict[str, str] = {}
         self._closed = False
         self._refused: BackendError | None = None
+        self._backlog: deque[tuple[str, str, str]] = deque()  # for the listeners
+        self._queued = anyio.Event()  # the backlog is not empty
+        self._room = anyio.Event()  # the backlog shrank below `_BACKLOG`
 
     # -- registration ------------------------------------------------------------------
 
@@ -163,31 +176,61 @@ class Events:
 
     # -- dispatch ------------------------------------------------------------------------
 
-    async def poke(self, queue: str, kind: str, message: str) -> None:
-        """Deliver a locally made event to the hooks only (the periodic re-check)."""
+    def poke(self, queue: str, kind: str, message: str) -> None:
+        """Deliver an event to the hooks only (a locally made wake-up or stop)."""
         for hook in list(self._hooks.get(queue, ())):
-            hook(kind, message)
+            try:
+                hook(kind, message)
+            except Exception:
+                self._log.exception("event hook failed on %s event", kind, extra={"queue": queue})
 
-    async def dispatch(self, queue: str, kind: str, message: str) -> None:
-        """Deliver an event to the hooks, then the listeners, of a queue.
+    def dispatch(self, queue: str, kind: str, message: str) -> None:
+        """Deliver an event to the hooks now, and queue it for the listeners."""
+        self.poke(queue, kind, message)
+        if queue in self._listeners:
+            self._backlog.append((queue, kind, message))
+            self._queued.set()
+
+    async def _deliver(self) -> None:
+        """Run the listeners of each queued event, in order, one event at a time.
 
         A listener that raises is logged and the rest still run.
         """
-        await self.poke(queue, kind, message)
-        for listener in list(self._listeners.get(queue, ())):
-            try:
-                outcome = listener(kind, message)
-                if inspect.isawaitable(outcome):
-                    await outcome
-            except Exception:
-                self._log.exception(
-                    "event listener %r failed on %s event", listener, kind, extra={"queue": queue}
-                )
+        while True:
+            await self._queued.wait()
+            while self._backlog:
+                queue, kind, message = self._backlog.popleft()
+                if len(self._backlog) < _BACKLOG:
+                    self._room.set()
+                for listener in list(self._listeners.get(queue, ())):
+                    try:
+                        outcome = listener(kind, message)
+                        if inspect.isawaitable(outcome):
+                            await outcome
+                    except Exception:
+                        self._log.exception(
+                            "event listener %r failed on %s event",
+                            listener,
+                            kind,
+                            extra={"queue": queue},
+                        )
+            self._queued = anyio.Event()
+
+    async def _make_room(self) -> None:
+        """Wait while the listeners are `_BACKLOG` events behind (Redis buffers meanwhile)."""
+        while len(self._backlog) >= _BACKLOG:
+            self._room = anyio.Event()
+            await self._room.wait()
 
     # -- the subscriber loop ---------------------------------------------------------------
 
     async def run(self) -> None:
         """Subscribe to what is wanted and deliver messages; reconnect with backoff."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._deliver)
+            await self._subscribe()
+
+    async def _subscribe(self) -> None:
         backoff = 0.05
         reconnecting = False
         attempt = 0
@@ -253,9 +296,14 @@ class Events:
                 with anyio.move_on_after(1.0):
                     await changed.wait()
                 continue
-            message = await pubsub.get_message(timeout=_POLL)
+            try:
+                message = await pubsub.get_message(timeout=_POLL)
+            except UnicodeDecodeError:  # a Cluster node's connection decodes replies
+                self._log.warning("skipped an event message that is not valid UTF-8")
+                continue
             if message is not None:
-                await self._handle(message)
+                await self._make_room()
+                self._handle(message)
 
     async def _sync(self, pubsub: PubSub, requested: set[str], wanted: set[str]) -> None:
         add, drop = wanted - requested, requested - wanted
@@ -274,22 +322,31 @@ class Events:
         self._queue_of[channel] = queue
         return channel
 
-    async def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: dict[str, Any]) -> None:
+        """Apply one reply of the subscription: a message, or a (un)subscribe
+        confirmation. Total: a message that cannot be read is logged and skipped."""
         kind = text(message["type"])
         channel = text(message["channel"])
         queue = self._queue_of.get(channel)
         if queue is None:
             return
         if kind == "message":
-            event, _, body = text(message["data"]).partition(":")
-            if channel == self._keys.done(queue):  # a batch: one event per process
-                records = _records(body)
-                if records is None:
-                    self._log.warning("ignored a malformed done message", extra={"queue": queue})
-                for record in records or ():
-                    await self.dispatch(queue, event, record)
-            else:
-                await self.dispatch(queue, event, body)
+            try:
+                body = text(message["data"])
+            except UnicodeDecodeError:
+                self._log.warning(
+                    "skipped an event message that is not valid UTF-8", extra={"queue": queue}
+                )
+                return
+            event, _, body = body.partition(":")
+            if channel != self._keys.done(queue):
+                self.dispatch(queue, event, body)
+                return
+            records = _records(body)  # a batch: one event per process
+            if records is None:
+                self._log.warning("skipped a malformed done message", extra={"queue": queue})
+            for record in records or ():
+                self.dispatch(queue, event, record)
             return
         if kind == "subscribe":
             self._refused = None
@@ -304,9 +361,17 @@ class Events:
 
 def _records(body: str) -> list[str] | None:
     """The records of a ``done`` message (a JSON array), each as its own JSON text;
-    None if the message is not an array."""
+    None if the message is not an array (or too deeply nested to parse)."""
     try:
         records = json.loads(body)
-    except ValueError:
+        return [json.dumps(record) for record in records] if isinstance(records, list) else None
+    except (ValueError, RecursionError):
         return None
-    return [json.dumps(record) for record in records] if isinstance(records, list) else None
+
+
+def work_count(message: str) -> int:
+    """The N of a ``work:N`` message; 0 when the message is no plain count (a bare
+    ``work:`` asks for a look; anything else is not ours to trust)."""
+    if message.isascii() and message.isdigit() and len(message) <= _MAX_COUNT_DIGITS:
+        return int(message)
+    return 0

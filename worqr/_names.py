@@ -28,6 +28,7 @@ _WORKER_ID = re.compile(r"[A-Za-z0-9_.:@-]+")
 _TOKEN = re.compile(r"[0-9a-f]{22}")
 _FORBIDDEN_IN_QUEUE = re.compile(r"[{}\x00-\x1f\x7f-\x9f]")
 _counter = itertools.count()
+_last_ns = 0  # the time part of the newest token made by this process
 
 
 def check_queue(queue: object) -> str:
@@ -133,8 +134,16 @@ class ProcessRef:
 
 
 def new_process_id(worker_id: str, queue: str) -> ProcessRef:
-    """A fresh, unique, time-ordered process id of ``worker_id`` in ``queue``."""
-    token = f"{time.time_ns():016x}{next(_counter) & 0xFFFFFF:06x}"
+    """A fresh, unique process id of ``worker_id`` in ``queue``, ordered after every id
+    this process made before.
+
+    The time part is the wall clock, but never less than the last one plus 1 ns: a
+    clock stepped back (NTP, a VM migration) must not reorder a worker's processes,
+    since reclaims return them to the front of the queue in id order.
+    """
+    global _last_ns
+    _last_ns = max(time.time_ns(), _last_ns + 1)
+    token = f"{_last_ns:016x}{next(_counter) & 0xFFFFFF:06x}"
     return ProcessRef(worker_id, token, queue)
 
 

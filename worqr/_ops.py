@@ -9,6 +9,8 @@ crash between them loses nothing (docs/diagrams/cluster.md gives the argument).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -19,8 +21,8 @@ from typing import Any, TypeVar, cast
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
 from ._connections import Client as Client
 from ._connections import Pinned, on_slot, pinned
@@ -91,6 +93,19 @@ async def _in_order(r: Client, groups: Sequence[tuple[str, Sequence[Command]]]) 
     return replies
 
 
+async def _atomic(r: Client, key: str, commands: Sequence[Command]) -> list[Any]:
+    """Run commands in one MULTI/EXEC on the server of ``key``'s slot; their replies."""
+
+    async def run(node: Redis) -> list[Any]:
+        async with node.pipeline(transaction=True) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            replies: list[Any] = await pipe.execute()
+            return replies
+
+    return await on_slot(r, key, run)
+
+
 async def _optimistic(
     r: Client, watch: Sequence[str], body: Callable[[Pipeline], Awaitable[_T]]
 ) -> tuple[_T, list[Any]]:
@@ -125,6 +140,21 @@ async def _optimistic(
     return await on_slot(r, watch[0], attempts)
 
 
+async def _register_after(r: Client, keys: Keys, queue: str, push: Awaitable[_T]) -> _T:
+    """Run a push, then add the queue to the registry: also when the push's outcome is
+    unknown or its WAIT fell short, since the tasks may be there."""
+    try:
+        outcome = await push
+    except DuplicateTaskError:
+        raise  # refused: nothing was pushed
+    except Exception:
+        with contextlib.suppress(RedisError, OSError):
+            await call(r, "SADD", keys.queues, queue)
+        raise
+    await call(r, "SADD", keys.queues, queue)
+    return outcome
+
+
 def _unknown_outcome() -> BackendUnavailableError:
     return BackendUnavailableError(
         "connection lost while a transaction was in flight; it may or may not have been applied"
@@ -151,12 +181,14 @@ async def enqueue(
     """Append tasks at the back of the queue; with ``wait`` (replicas, timeout in ms),
     return how many replicas confirmed the push.
 
-    Keys: queues (SET), tasks (LIST). One round trip (two on a Cluster):
-      1. SADD queues queue
-      2. RPUSH tasks task... (one command: all tasks or none)
-      3. PUBLISH events work:<count>  (on the connection of 2: after the push)
-      4. WAIT <replicas> <timeout>     (with ``wait``: 1 first, then 2-3 and WAIT on one
-                                        connection; WAIT is never resent)
+    The registry entry follows the push, so that a `delete_queue` racing it, which
+    unregisters and then looks for tasks, cannot leave tasks in an unregistered queue.
+    Keys: tasks (LIST), queues (SET). One round trip (two on a Cluster):
+      1. RPUSH tasks task... (one command: all tasks or none)
+      2. PUBLISH events work:<count>  (on the connection of 1: after the push)
+      3. WAIT <replicas> <timeout>     (with ``wait``: on the connection of 1-2; WAIT is
+                                        never resent)
+      4. SADD queues queue
     """
     register: list[Command] = [("SADD", keys.queues, queue)]
     push: list[Command] = [
@@ -164,7 +196,7 @@ async def enqueue(
         ("PUBLISH", keys.events(queue), event("work", str(len(tasks)))),
     ]
     if wait is None:
-        await _in_order(r, [(keys.queues, register), (keys.tasks(queue), push)])
+        await _in_order(r, [(keys.tasks(queue), push), (keys.queues, register)])
         return None
 
     async def waited(node: Redis) -> int:
@@ -172,8 +204,7 @@ async def enqueue(
             await _pipelined(one.client, push)
             return await _wait(one, wait)
 
-    await _in_order(r, [(keys.queues, register)])
-    return await on_slot(r, keys.tasks(queue), waited)
+    return await _register_after(r, keys, queue, on_slot(r, keys.tasks(queue), waited))
 
 
 @redis_boundary
@@ -184,20 +215,19 @@ async def enqueue_unique(
     ``wait``, as `enqueue`.
 
     WATCH is needed: two producers must not both see "absent" and both push.
-    Keys: queues (SET), unique (SET), tasks (LIST).
-      1. SADD queues queue
-      2. WATCH unique
-      3. SMISMEMBER unique task...      -> any present: UNWATCH, raise DuplicateTaskError
-      4. MULTI
-      5. RPUSH tasks task...
-      6. SADD unique task...
-      7. PUBLISH events work:<count>
-      8. EXEC                            -> nil (unique changed): back to 2
-      9. WAIT <replicas> <timeout>       (with ``wait``; on the connection of 2-8)
+    Keys: unique (SET), tasks (LIST), queues (SET).
+      1. WATCH unique
+      2. SMISMEMBER unique task...      -> any present: UNWATCH, raise DuplicateTaskError
+      3. MULTI
+      4. RPUSH tasks task...
+      5. SADD unique task...
+      6. PUBLISH events work:<count>
+      7. EXEC                            -> nil (unique changed): back to 1
+      8. WAIT <replicas> <timeout>       (with ``wait``; on the connection of 1-7)
+      9. SADD queues queue               (after the push, as in `enqueue`)
     """
     if len(set(tasks)) != len(tasks):
         raise DuplicateTaskError("the same unique task appears twice in one enqueue")
-    await call(r, "SADD", keys.queues, queue)
 
     async def body(pipe: Pipeline) -> None:
         present = await call(pipe, "SMISMEMBER", keys.unique(queue), *tasks)
@@ -212,16 +242,17 @@ async def enqueue_unique(
         pipe.execute_command("SADD", keys.unique(queue), *tasks)
         pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
 
-    if wait is None:
-        await _optimistic(r, [keys.unique(queue)], body)
-        return None
-
-    async def waited(node: Redis) -> int:
+    async def waited(node: Redis, wait: tuple[int, int]) -> int:
         async with pinned(node) as one:  # WAIT counts the writes of its own connection
             await _optimistic(one.client, [keys.unique(queue)], body)
             return await _wait(one, wait)
 
-    return await on_slot(r, keys.unique(queue), waited)
+    if wait is None:
+        await _register_after(r, keys, queue, _optimistic(r, [keys.unique(queue)], body))
+        return None
+    return await _register_after(
+        r, keys, queue, on_slot(r, keys.unique(queue), functools.partial(waited, wait=wait))
+    )
 
 
 @redis_boundary
@@ -237,55 +268,80 @@ async def cancel(r: Client, keys: Keys, queue: str, task: str) -> int:
       6. EXEC
     """
 
-    async def run(node: Redis) -> int:
-        async with node.pipeline(transaction=True) as pipe:
-            pipe.execute_command("LREM", keys.tasks(queue), 0, task)
-            pipe.execute_command("SREM", keys.unique(queue), task)
-            pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
-            pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", task))
-            removed, _, _, _ = await pipe.execute()
-        return int(removed)
+    removed, _, _, _ = await _atomic(
+        r,
+        keys.tasks(queue),
+        [
+            ("LREM", keys.tasks(queue), 0, task),
+            ("SREM", keys.unique(queue), task),
+            ("HDEL", keys.deaths(queue), digest(task)),
+            ("PUBLISH", keys.events(queue), event("cancel", task)),
+        ],
+    )
+    return int(removed)
 
-    return await on_slot(r, keys.tasks(queue), run)
+
+_DELETE_PASSES = 10
 
 
 @redis_boundary
 async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
     """Delete a queue with everything in it: queued, in-process and failed tasks, marks.
 
-    WATCH is needed so that a process dequeued meanwhile is deleted too, not orphaned.
-    The registry entry goes first: an enqueue racing the delete then either lands
-    before the transaction (and is deleted) or re-registers the queue after it.
-    Keys: queues, holders, held:<w>..., p:<id>..., tasks, failed, unique.
-      1. SREM queues queue
-      2. WATCH holders;  SMEMBERS holders            -> workers
-      3. WATCH held:<w>;  SMEMBERS held:<w>           (per worker)  -> process ids
-      4. MULTI
-      5. DEL tasks failed unique deaths holders held:<w>... p:<id>...
-      6. PUBLISH events delete:
-      7. EXEC                                         -> nil: back to 2
+    No WATCH over the workers' bookkeeping: on a busy queue the workers change their
+    held sets all the time, and a transaction that must see none of them change would
+    never get through. Instead each pass deletes what it read, and every write is
+    correct whatever happened in between: the first pass deletes the queued tasks
+    (so no new process can start from them) and publishes ``delete`` (so consumers
+    stop); a process dequeued between a pass's read and its EXEC survives it, still
+    recorded, and the next pass deletes it. A late finish or reclaim of a deleted
+    process finds it gone (their WATCH on it aborts them). Passes go on until one
+    finds no process, at most `_DELETE_PASSES`: processes that appear after that come
+    from tasks enqueued after the delete, which belong to the queue's next life.
+
+    The registry entry goes after the data, and comes back if tasks were pushed
+    meanwhile: `enqueue` registers after its push, so a queue with tasks is never left
+    unregistered.
+    Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, deaths; queues.
+      1. SMEMBERS holders;  SMEMBERS held:<w> (per holder)     -> ids
+      2. MULTI
+      3. DEL tasks failed unique deaths p:<id>...
+      4. SREM held:<w> <id>...                                  (per holder)
+      5. PUBLISH events delete:                                 (first pass)
+      6. EXEC                                   -> ids were found: back to 1
+      7. `drop_holder` per holder
+      8. SREM queues queue
+      9. EXISTS tasks                           -> 1: SADD queues queue
     """
+    doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.deaths(queue)]
+    holders: list[str] = []
+    for attempt in range(_DELETE_PASSES):
+        holders = [text(w) for w in await call(r, "SMEMBERS", keys.holders(queue))]
+        held: list[list[Any]] = []
+        if holders:
+            async with r.pipeline(transaction=False) as pipe:
+                for worker_id in holders:
+                    pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
+                held = await pipe.execute()
 
-    async def body(pipe: Pipeline) -> None:
-        workers = [text(w) for w in await call(pipe, "SMEMBERS", keys.holders(queue))]
-        held = [keys.held(queue, w) for w in workers]
-        doomed = [
-            keys.tasks(queue),
-            keys.failed(queue),
-            keys.unique(queue),
-            keys.deaths(queue),
-            keys.holders(queue),
+        sweep: list[Command] = [
+            ("DEL", *doomed, *(keys.process(queue, text(pid)) for pids in held for pid in pids))
         ]
-        for held_key in held:
-            await pipe.watch(held_key)
-            pids = await call(pipe, "SMEMBERS", held_key)
-            doomed += [held_key, *(keys.process(queue, text(pid)) for pid in pids)]
-        pipe.multi()
-        pipe.execute_command("DEL", *doomed)
-        pipe.execute_command("PUBLISH", keys.events(queue), event("delete"))
-
+        sweep += [
+            ("SREM", keys.held(queue, worker_id), *pids)
+            for worker_id, pids in zip(holders, held, strict=True)
+            if pids
+        ]
+        if attempt == 0:
+            sweep.append(("PUBLISH", keys.events(queue), event("delete")))
+        await _atomic(r, keys.tasks(queue), sweep)
+        if not any(held):
+            break
+    for worker_id in holders:
+        await drop_holder(r, keys, queue, worker_id)
     await call(r, "SREM", keys.queues, queue)
-    await _optimistic(r, [keys.holders(queue)], body)
+    if await call(r, "EXISTS", keys.tasks(queue)):
+        await call(r, "SADD", keys.queues, queue)
 
 
 @redis_boundary
@@ -385,13 +441,20 @@ async def dequeue(
     count: int = 1,
     *,
     announced: bool = False,
+    new_ids: Callable[[int], list[str]] | None = None,
 ) -> list[Process]:
     """Move up to ``count`` tasks from the head of the queue into new processes of
     this worker, in queue order; an empty list when the queue is empty.
 
+    ``new_ids(k)`` makes k fresh process ids (a worker keeps them known as in flight;
+    by default they are made here).
     ``once`` is a client whose transactions are never resent (see `_connections`):
-    the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each id
-    tells whether it took effect: then its processes are adopted, else it runs again.
+    the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each
+    id tells whether it took effect: then its processes are adopted. Otherwise it is
+    sent again with FRESH ids, because "not yet" is not "never": a transaction held up
+    on the way (a timeout, a slow link) can still land later, and with the same ids it
+    would append a second task to each process list. Processes of an attempt that lands
+    late are unknown to the worker, and its audit returns them to the front.
     Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET).
       1. LLEN tasks                       -> 0: return (an idle poll costs one command)
                                              (skipped when ``announced``: a ``work``
@@ -409,28 +472,36 @@ async def dequeue(
     length = count if announced else await call(r, "LLEN", keys.tasks(queue))
     if not length:
         return []
-    ids = [new_process_id(worker_id, queue).id for _ in range(min(count, length))]
-    procs = [keys.process(queue, pid) for pid in ids]
     held = keys.held(queue, worker_id)
+    k = min(count, length)
+    if new_ids is None:
 
-    async def take(node: Redis) -> list[Any]:
-        async with node.pipeline(transaction=True) as pipe:
-            for proc in procs:
-                pipe.execute_command("LMOVE", keys.tasks(queue), proc, "LEFT", "RIGHT")
-            pipe.execute_command("SADD", held, *ids)
-            pipe.execute_command("SADD", keys.holders(queue), worker_id)
-            replies: list[Any] = await pipe.execute()
-            return replies[: len(procs)]
+        def new_ids(count: int) -> list[str]:
+            return [new_process_id(worker_id, queue).id for _ in range(count)]
 
-    tasks: list[Any] = []
+    def take(ids: list[str]) -> Callable[[Redis], Awaitable[list[Any]]]:
+        async def run(node: Redis) -> list[Any]:
+            async with node.pipeline(transaction=True) as pipe:
+                for pid in ids:
+                    pipe.execute_command(
+                        "LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT"
+                    )
+                pipe.execute_command("SADD", held, *ids)
+                pipe.execute_command("SADD", keys.holders(queue), worker_id)
+                replies: list[Any] = await pipe.execute()
+                return replies[: len(ids)]
+
+        return run
+
     for _ in range(_MAX_ATTEMPTS):
+        ids = new_ids(k)
         try:
-            tasks = await on_slot(once, keys.tasks(queue), take)
+            tasks = await on_slot(once, keys.tasks(queue), take(ids))
             break
         except (RedisConnectionError, RedisTimeoutError):
             async with r.pipeline(transaction=False) as reads:
-                for proc in procs:
-                    reads.execute_command("LINDEX", proc, 0)
+                for pid in ids:
+                    reads.execute_command("LINDEX", keys.process(queue, pid), 0)
                 tasks = await reads.execute()
             if any(task is not None for task in tasks):
                 break  # the lost EXEC was applied: adopt what it took
@@ -509,7 +580,9 @@ async def finish_many(
     p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
     LINDEX of `finish`.
       1. WATCH p:<id1> ... p:<idk>
-      2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH, `finish` each alone
+      2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
+                                             (one round trip), and back to 1 with the
+                                             ones that exist (the others: False)
       3. MULTI
       4. DEL p:<id1> ... p:<idk>
       5. SREM held:<w> <id>...
@@ -521,35 +594,40 @@ async def finish_many(
     refs = [split_process_id(process.id) for process, _ in done]
     if any(ref.worker_id != worker_id or ref.queue != queue for ref in refs):
         raise ValueError(f"finish_many: every process must be {worker_id}'s in {queue!r}")
-    procs = [keys.process(queue, ref.id) for ref in refs]
-    tasks = [process.task for process, _ in done]
+    outcome = [False] * len(done)
+    remaining = list(range(len(done)))
+    while remaining:  # each pass ends them all, or finds at least one gone for good
+        procs = [keys.process(queue, refs[i].id) for i in remaining]
 
-    async def body(pipe: Pipeline) -> bool:
-        if await call(pipe, "EXISTS", *procs) != len(procs):
-            await pipe.reset()
-            return False
-        pipe.multi()
-        pipe.execute_command("DEL", *procs)
-        pipe.execute_command("SREM", keys.held(queue, worker_id), *(ref.id for ref in refs))
-        pipe.execute_command("SREM", keys.unique(queue), *tasks)
-        pipe.execute_command("HDEL", keys.deaths(queue), *{digest(task) for task in tasks})
-        records = ",".join(
-            done_record(ref.id, worker_id, process.task, result)
-            for ref, (process, result) in zip(refs, done, strict=True)
-        )
-        pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{records}]"))
-        return True
+        async def body(pipe: Pipeline, at: list[int] = remaining, procs: list[str] = procs) -> bool:
+            if await call(pipe, "EXISTS", *procs) != len(procs):
+                await pipe.reset()
+                return False
+            tasks = [done[i][0].task for i in at]
+            pipe.multi()
+            pipe.execute_command("DEL", *procs)
+            pipe.execute_command("SREM", keys.held(queue, worker_id), *(refs[i].id for i in at))
+            pipe.execute_command("SREM", keys.unique(queue), *tasks)
+            pipe.execute_command("HDEL", keys.deaths(queue), *{digest(task) for task in tasks})
+            records = ",".join(
+                done_record(refs[i].id, worker_id, done[i][0].task, done[i][1]) for i in at
+            )
+            pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{records}]"))
+            return True
 
-    if not done:
-        return []
-    whole, _ = await _optimistic(r, procs, body)
-    if whole:
-        return [True] * len(done)
-    # Some process is gone (reclaimed, stopped, its queue deleted): fence one by one.
-    return [
-        await finish(r, keys, ref, result) is not None
-        for ref, (_, result) in zip(refs, done, strict=True)
-    ]
+        whole, _ = await _optimistic(r, procs, body)
+        if whole:
+            for i in remaining:
+                outcome[i] = True
+            return outcome
+        # Some process is gone (reclaimed, stopped, its queue deleted): ids are never
+        # reused, so a gone one stays gone; finish the others together.
+        async with r.pipeline(transaction=False) as pipe:
+            for proc in procs:
+                pipe.execute_command("EXISTS", proc)
+            present = await pipe.execute()
+        remaining = [i for i, flag in zip(remaining, present, strict=True) if flag]
+    return outcome
 
 
 @redis_boundary
@@ -584,18 +662,15 @@ async def stop(r: Client, keys: Keys, ref: ProcessRef) -> str | None:
       5. EXEC
     """
     queue = ref.queue
-
-    async def run(node: Redis) -> Any:
-        async with node.pipeline(transaction=True) as pipe:
-            pipe.execute_command(
-                "LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"
-            )
-            pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
-            task, _, _ = await pipe.execute()
-        return task
-
-    task = await on_slot(r, keys.tasks(queue), run)
+    task, _, _ = await _atomic(
+        r,
+        keys.tasks(queue),
+        [
+            ("LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"),
+            ("SREM", keys.held(queue, ref.worker_id), ref.id),
+            ("PUBLISH", keys.events(queue), event("work", "1")),
+        ],
+    )
     return None if task is None else text(task)
 
 
@@ -941,33 +1016,65 @@ async def touch_worker(
 
 
 @redis_boundary
-async def dissolve_process(r: Client, keys: Keys, queue: str, process_id: str) -> int:
-    """Put every task of a process list back at the FRONT and forget the process: the
-    repair of a process list that no worker records or that holds other than one task.
+async def return_orphan(r: Client, keys: Keys, queue: str, process_id: str) -> int:
+    """Put the tasks of a process list that no worker records back at the FRONT.
 
-      1. WATCH p:<id>;  LLEN p:<id>               -> n (0: UNWATCH, done)
-      2. MULTI
-      3. LMOVE p:<id> tasks RIGHT LEFT            (n times: order kept)
-      4. SREM held:<w> <id>
+    The SCAN that reported it may have missed a held set created meanwhile, so the
+    orphan is confirmed under WATCH first: a recorded process belongs to its worker
+    (alive, or reclaimed with the rest of its processes once dead) and is left alone.
+      1. WATCH p:<id> held:<w>;  SISMEMBER held:<w> <id>  -> 1: UNWATCH, done
+      2. LLEN p:<id>                                       -> n (0: UNWATCH, done)
+      3. MULTI
+      4. LMOVE p:<id> tasks RIGHT LEFT                     (n times: order kept)
       5. PUBLISH events work:<n>
-      6. EXEC                                     -> nil: back to 1
+      6. EXEC                                              -> nil: back to 1
     """
     ref = parse_process_id(process_id)
     proc = keys.process(queue, process_id)
+    held = keys.held(queue, ref.worker_id)
 
     async def body(pipe: Pipeline) -> int:
-        count = int(await call(pipe, "LLEN", proc))
-        if not count:
+        if await call(pipe, "SISMEMBER", held, process_id):
+            await pipe.reset()
             return 0
-        pipe.multi()
-        for _ in range(count):
-            pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
-        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), process_id)
-        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(count)))
-        return count
+        return await _move_back(pipe, keys, queue, proc, keep=0)
+
+    moved, _ = await _optimistic(r, [proc, held], body)
+    return moved
+
+
+@redis_boundary
+async def trim_process(r: Client, keys: Keys, queue: str, process_id: str) -> int:
+    """Put every task of a process list but its first back at the FRONT: the first is
+    the one its worker was given (and may be running); the others belong in the queue.
+
+      1. WATCH p:<id>;  LLEN p:<id>                        -> n (<= 1: UNWATCH, done)
+      2. MULTI
+      3. LMOVE p:<id> tasks RIGHT LEFT                     (n - 1 times: order kept)
+      4. PUBLISH events work:<n - 1>
+      5. EXEC                                              -> nil: back to 1
+    """
+    proc = keys.process(queue, process_id)
+
+    async def body(pipe: Pipeline) -> int:
+        return await _move_back(pipe, keys, queue, proc, keep=1)
 
     moved, _ = await _optimistic(r, [proc], body)
     return moved
+
+
+async def _move_back(pipe: Pipeline, keys: Keys, queue: str, proc: str, *, keep: int) -> int:
+    """In a WATCHed pipeline: queue moving all but the first ``keep`` tasks of a process
+    list to the front of the queue, newest first (so their order is kept)."""
+    count = int(await call(pipe, "LLEN", proc)) - keep
+    if count <= 0:
+        await pipe.reset()
+        return 0
+    pipe.multi()
+    for _ in range(count):
+        pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
+    pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(count)))
+    return count
 
 
 @redis_boundary

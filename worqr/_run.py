@@ -25,16 +25,33 @@ SIGTERM or SIGINT stops taking work and gives running children ``grace`` seconds
 finish; the rest are stopped the same way but with SIGKILL after `SHUTDOWN_KILL_AFTER`
 (0.5) seconds, and their tasks handed back to the front of the queue
 (`Worqr.shutdown`). Later signals are ignored while that happens.
+
+If this process dies without that chance (SIGKILL, a crash), its peers hand its tasks
+to other workers after the worker timeout, so a child left running would run at the
+same time as its task's next attempt. On Linux each child therefore asks, between fork
+and exec, for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then exits
+at once if its parent is already gone: the direct child never outlives this process.
+The request is not inherited by the child's own children: when the direct child is
+killed they are re-parented and run on (no hang-up signal either: the child's session
+has no terminal), so a COMMAND that starts others must make them die with it (a shell
+script can ``exec`` its last command; ``setpriv --pdeathsig KILL`` wraps one).
+Linux drops the request when the COMMAND is set-user-ID, set-group-ID or has file
+capabilities, and ties it to the thread that started the child: the event loop's
+(under ``worqr run``, the main thread). Elsewhere (macOS, the BSDs) nothing is
+requested: children outlive a worker that is killed outright.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
+import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -58,12 +75,70 @@ refuses to start a program with one environment string over 128 KiB."""
 STDERR_LINES, STDERR_CHARS = 20, 2000
 """How much of the end of stderr a failed task's error keeps."""
 _LINE_LIMIT = 64 * 1024  # a longer line is logged and kept in pieces
+_CHUNK = 64 * 1024  # bytes read from a pipe at a time
 _DRAIN = 1.0  # seconds to read what is left in the pipes after the child exits
 _REAP = 5.0  # seconds to wait for a child to die after SIGKILL
 
 
 class CommandFailed(Exception):
     """COMMAND could not be started, or exited with a code other than 0."""
+
+
+_PR_SET_PDEATHSIG = 1
+"""The ``prctl`` option (linux/prctl.h) naming the signal sent when the parent dies."""
+
+
+def _load_prctl() -> Callable[[int, int, int, int, int], int] | None:
+    """libc's ``prctl`` on Linux, else None. Resolved once, here in the parent: a
+    child between fork and exec must not load libraries."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        return None
+    prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _parent_death_hook(parent: int) -> Callable[[], None] | None:
+    """The ``preexec_fn`` that ties a child to ``parent`` (this process), or None where
+    the platform has no way to. In the child it asks for SIGKILL when its parent dies,
+    then exits if ``parent`` is already gone (it died before the request, which would
+    then never fire). Two system calls and no locks: it runs after fork, where another
+    thread may have held a lock."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+    kill = int(signal.SIGKILL)
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)  # orphaned already; nobody is left to read the status
+
+    return die_with_parent
+
+
+async def _spawn(command: Sequence[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    """Start ``command`` with pipes for its stdin, stdout and stderr, leading a session
+    of its own, tied to this process (`_parent_death_hook`). asyncio rather than
+    ``anyio.open_process``, which takes no ``preexec_fn``; both the standard loop and
+    uvloop run one."""
+    pipe = asyncio.subprocess.PIPE
+    return await asyncio.create_subprocess_exec(
+        *command,
+        stdin=pipe,
+        stdout=pipe,
+        stderr=pipe,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_parent_death_hook(os.getpid()),
+    )
 
 
 async def serve(
@@ -139,9 +214,7 @@ class _Worker:
         }
         with anyio.CancelScope(shield=True):  # a cancelled spawn must not lose the child
             try:
-                child = await anyio.open_process(
-                    self._command, env=self._environment(process), start_new_session=True
-                )
+                child = await _spawn(self._command, self._environment(process))
             except OSError as exc:
                 reason = exc.strerror or str(exc)
                 raise CommandFailed(f"cannot start {self._command[0]!r}: {reason}") from exc
@@ -151,9 +224,10 @@ class _Worker:
         stderr: deque[str] = deque(maxlen=STDERR_LINES)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_feed, child, process.task.encode())
+                assert child.stdin is not None  # all three are pipes
+                assert child.stdout is not None and child.stderr is not None
+                tg.start_soon(_feed, child.stdin, process.task.encode())
                 async with anyio.create_task_group() as pumps:
-                    assert child.stdout is not None and child.stderr is not None
                     pumps.start_soon(_pump, child.stdout, logging.INFO, label, stdout, extra)
                     pumps.start_soon(_pump, child.stderr, logging.WARNING, label, stderr, extra)
                     code = await child.wait()
@@ -180,51 +254,55 @@ class _Worker:
         env["WORQR_WORKER_ID"] = self._worqr.worker_id
         return env
 
-    async def _reap(self, child: anyio.abc.Process, label: str, extra: dict[str, Any]) -> None:
+    async def _reap(
+        self, child: asyncio.subprocess.Process, label: str, extra: dict[str, Any]
+    ) -> None:
         """Make sure the child is gone: if it still runs (the handler was cancelled),
         SIGTERM its group, SIGKILL it if it outlives the delay, then kill what is left
-        of the group; finally close the pipes."""
+        of the group; finally close its stdin (its stdout and stderr close themselves
+        at end of file)."""
         if child.returncode is None:
             logger.info("%s: stopping (SIGTERM)", label, extra=extra)
             kill_after = SHUTDOWN_KILL_AFTER if self.signalled else KILL_AFTER
-            _signal_group(child, signal.SIGTERM)
+            _signal_group(child.pid, signal.SIGTERM)
             with anyio.move_on_after(kill_after):
                 await child.wait()
             if child.returncode is None:
                 logger.warning(
                     "%s: still running after %g s; SIGKILL", label, kill_after, extra=extra
                 )
-                _signal_group(child, signal.SIGKILL)
+                _signal_group(child.pid, signal.SIGKILL)
                 with anyio.move_on_after(_REAP):
                     await child.wait()
-            _signal_group(child, signal.SIGKILL)  # whatever it left behind
+            _signal_group(child.pid, signal.SIGKILL)  # whatever it left behind
             if child.returncode is None:
                 logger.error("%s did not die after SIGKILL; leaving it", label, extra=extra)
                 return
             logger.info("%s stopped with code %d", label, child.returncode, extra=extra)
-        await child.aclose()
+        if child.stdin is not None:
+            child.stdin.close()
 
 
-def _signal_group(child: anyio.abc.Process, signum: signal.Signals) -> None:
-    """Signal the child's process group (its pid: it leads a session of its own)."""
+def _signal_group(pid: int, signum: signal.Signals) -> None:
+    """Signal a child's process group (its pid: it leads a session of its own)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
-        os.killpg(child.pid, signum)
+        os.killpg(pid, signum)
 
 
-async def _feed(child: anyio.abc.Process, data: bytes) -> None:
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
     """Write the task to the child's stdin and close it; a child that exits without
     reading it all is not an error."""
-    assert child.stdin is not None
     try:
         if data:
-            await child.stdin.send(data)
-        await child.stdin.aclose()
-    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            stdin.write(data)
+            await stdin.drain()
+        stdin.close()
+    except OSError:  # BrokenPipeError, ConnectionResetError
         pass
 
 
 async def _pump(
-    stream: anyio.abc.ByteReceiveStream,
+    stream: asyncio.StreamReader,
     level: int,
     label: str,
     kept: deque[str],
@@ -240,7 +318,7 @@ async def _pump(
             logger.log(level, "%s: %s", label, line, extra=extra)
 
     pending = b""
-    async for chunk in stream:
+    while chunk := await stream.read(_CHUNK):
         pending += chunk
         *lines, pending = pending.split(b"\n")
         for raw in lines:

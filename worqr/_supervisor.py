@@ -37,7 +37,9 @@ class Host(Protocol):
 
     async def _recheck_queues(self, waiting: dict[str, int]) -> None: ...
 
-    async def _audit_processes(self, recorded: list[str], read_at_ns: int) -> None: ...
+    def _audit_snapshot(self) -> frozenset[str]: ...
+
+    async def _audit_processes(self, recorded: list[str], known: frozenset[str]) -> None: ...
 
     def _working_queues(self) -> list[str]: ...
 
@@ -137,10 +139,10 @@ class Supervisor:
                 if await _ops.acquire_supervision(self._client, keys, host.worker_id, lease_ms):
                     await host.cleanup_workers()
                 queues = host._working_queues()
-                read_at_ns = time.time_ns()
+                known = host._audit_snapshot()  # before the read is sent
                 found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
                 recorded = [pid for _, held in found for pid in held]
-                await host._audit_processes(recorded, read_at_ns)
+                await host._audit_processes(recorded, known)
                 waiting = [count for count, _ in found]
                 await host._recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -25,6 +25,7 @@ from ._consumer import Consumer, Handler
 from ._errors import (
     BackendError,
     ClosedError,
+    InvalidProcessIdError,
     NotWorkingError,
     ProtocolVersionError,
     ReplicationError,
@@ -43,6 +44,7 @@ from ._names import (
     check_task,
     check_tasks,
     check_worker_id,
+    new_process_id,
     new_worker_id,
     parse_process_id,
     split_process_id,
@@ -139,7 +141,10 @@ class Worqr:
         self._ready: asyncio.Event = asyncio.Event()
         self._supervisor: Supervisor | None = None
         self._working: dict[str, None] = {}
-        self._held: dict[str, Process] = {}
+        self._held: dict[str, Process] = {}  # dequeued here; known until Redis ended them
+        self._ending: set[str] = set()  # held ids whose end (finish, fail, stop) is in flight
+        self._taking: set[str] = set()  # ids of dequeues in flight (outcome not yet known)
+        self._starting = anyio.Lock()
         self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         self._consumers: set[Consumer] = set()
         self._lost = False
@@ -367,20 +372,56 @@ class Worqr:
 
     async def _take(self, queue: str, count: int = 1, *, announced: bool = False) -> list[Process]:
         """Dequeue up to ``count`` tasks (see `_ops.dequeue`), fenced against a lease
-        loss that happens while the command runs."""
+        loss that happens while the command runs.
+
+        Every id a dequeue attempt uses is known as in flight until the call is over,
+        so the audit never takes its process for a stray; after the call, the ids of an
+        attempt whose outcome stayed unknown are the audit's to return.
+        """
         if self._lost:
             return []
         epoch = self._epoch
-        taken = await _ops.dequeue(
-            self._redis, self._once, self._keys, self._worker_id, queue, count, announced=announced
-        )
-        if epoch != self._epoch:
+        reserved: list[str] = []
+
+        def new_ids(count: int) -> list[str]:
+            ids = [new_process_id(self._worker_id, queue).id for _ in range(count)]
+            reserved.extend(ids)
+            self._taking.update(ids)
+            return ids
+
+        try:
+            taken = await _ops.dequeue(
+                self._redis,
+                self._once,
+                self._keys,
+                self._worker_id,
+                queue,
+                count,
+                announced=announced,
+                new_ids=new_ids,
+            )
+            if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
+                for process in reversed(taken):
+                    await _ops.stop(self._redis, self._keys, split_process_id(process.id))
+                return []
             for process in taken:
-                await _ops.stop(self._redis, self._keys, parse_process_id(process.id))
-            return []
-        for process in taken:
-            self._held[process.id] = process
-        return taken
+                self._held[process.id] = process
+            return taken
+        finally:
+            self._taking.difference_update(reserved)
+
+    @contextlib.contextmanager
+    def _ending_process(self, process_id: str) -> Iterator[None]:
+        """Mark a held process as being ended for the block: the audit leaves it alone
+        (its finish may land between the audit's read and its look at this peer)."""
+        if process_id in self._ending:  # an outer block of the same end owns the mark
+            yield
+            return
+        self._ending.add(process_id)
+        try:
+            yield
+        finally:
+            self._ending.discard(process_id)
 
     async def finish_process(self, process: Process | str, result: str | None = None) -> bool:
         """Finish a process: its task is done. Publishes ``done``. False (and nothing
@@ -390,8 +431,9 @@ class Worqr:
         ref = self._ref(process)
         if await self._fenced(ref):
             return False
-        task = await _ops.finish(self._redis, self._keys, ref, result)
-        self._held.pop(ref.id, None)
+        with self._ending_process(ref.id):
+            task = await _ops.finish(self._redis, self._keys, ref, result)
+        self._held.pop(ref.id, None)  # known until Redis answered (an error keeps it)
         self._note(ref, self._completed, task)
         return task is not None
 
@@ -401,7 +443,8 @@ class Worqr:
         ref = self._ref(process)
         if await self._fenced(ref):
             return False
-        task = await _ops.stop(self._redis, self._keys, ref)
+        with self._ending_process(ref.id):
+            task = await _ops.stop(self._redis, self._keys, ref)
         self._held.pop(ref.id, None)
         return task is not None
 
@@ -473,8 +516,11 @@ class Worqr:
         handed back (a restarted worker must not wait for its own timeout).
         """
         tg = await self._ensure_running()
-        if self._supervisor is not None:
-            return
+        async with self._starting:  # concurrent callers: one supervisor, one registration
+            if self._supervisor is None:
+                await self._start_worker(tg)
+
+    async def _start_worker(self, tg: anyio.abc.TaskGroup) -> None:
         await self._check_connection()
         if self._explicit_id:
             await self._fail_dead(self._worker_id, only_if_dead=False)
@@ -600,8 +646,10 @@ class Worqr:
     async def _repair(self, problem: Problem) -> None:
         r, keys = self._redis, self._keys
         queue, worker_id, pid = problem.queue, problem.worker_id, problem.process_id
-        if problem.kind in ("orphan-process", "malformed-process") and queue and pid:
-            await _ops.dissolve_process(r, keys, queue, pid)
+        if problem.kind == "orphan-process" and queue and pid:
+            await _ops.return_orphan(r, keys, queue, pid)
+        elif problem.kind == "malformed-process" and queue and pid:
+            await _ops.trim_process(r, keys, queue, pid)
         elif problem.kind == "dangling-process-id" and queue and worker_id and pid:
             await _ops.drop_process_id(r, keys, queue, worker_id, pid)
         elif problem.kind == "dead-worker" and worker_id:
@@ -644,8 +692,8 @@ class Worqr:
         self._epoch += 1
         self._log.warning("worker lost its leases: %s", reason)
         held, self._held = self._held, {}
-        for process in held.values():
-            await self._events.dispatch(process.queue, "lost", process.id)
+        for process in held.values():  # handlers stop now; listeners hear it on their task
+            self._events.dispatch(process.queue, "lost", process.id)
         try:
             await self._recover_leases()
         except BackendError as exc:
@@ -674,42 +722,60 @@ class Worqr:
             self._supervisor.refreshed()
         self._log.info("worker re-registered")
         for queue in self._working:  # a look, not an announcement: the count is unknown
-            await self._events.poke(queue, "work", "")
+            self._events.poke(queue, "work", "")
 
     async def _recheck_queues(self, waiting: dict[str, int]) -> None:
         """Wake this peer's consumers of queues where tasks wait (hooks only)."""
         for queue, count in waiting.items():
             if count:
-                await self._events.poke(queue, "work", str(count))
+                self._events.poke(queue, "work", str(count))
 
-    async def _audit_processes(self, recorded: list[str], read_at_ns: int) -> None:
+    def _audit_snapshot(self) -> frozenset[str]:
+        """The processes this peer holds and is not ending, taken just before the
+        audit's read: each one's dequeue was answered before the read was sent, so
+        Redis recorded it before the read ran."""
+        return frozenset(pid for pid in self._held if pid not in self._ending)
+
+    async def _audit_processes(self, recorded: list[str], known: frozenset[str]) -> None:
         """Reconcile the processes Redis records under this worker with the ones this
-        peer holds: unknown ones (a dequeue whose reply was lost) go back to the front,
-        and known ones Redis no longer records (reclaimed by a peer that took this
-        worker for dead) are reported ``lost`` so that their handlers stop.
+        peer holds (``known``: `_audit_snapshot` before the read).
 
-        Only ids older than ``worker_timeout`` before the read count, so that a
-        dequeue or finish in flight is not mistaken for either.
+        A held process Redis no longer records, that was held before the read and is
+        not being ended, was taken away (a peer that took this worker for dead
+        reclaimed it, or another peer ended it by id): it is reported ``lost``, which
+        stops its handler. A recorded process this peer neither holds nor is
+        dequeuing is a stray (a dequeue whose outcome stayed unknown): it goes back to
+        the front of its queue, newest first so that their order is kept. No clock is
+        involved, so neither a slow link nor a clock step can make a live process look
+        like either.
         """
-        horizon = (read_at_ns / 1e9) - self._worker_timeout
         present = set(recorded)
-        for pid, process in list(self._held.items()):
-            if (
-                pid not in present
-                and process.queue in self._working
-                and process.dequeued_at < horizon
-            ):
-                del self._held[pid]
-                await self._events.dispatch(process.queue, "lost", pid)
-        for pid in recorded:
-            if pid in self._held:
-                continue
-            ref = parse_process_id(pid)
-            if ref.dequeued_at < horizon and await _ops.stop(self._redis, self._keys, ref):
+        for pid in known - present:
+            process = self._held.get(pid)
+            if process is None or pid in self._ending or process.queue not in self._working:
+                continue  # ended meanwhile, or being ended: not lost
+            del self._held[pid]
+            self._events.dispatch(process.queue, "lost", pid)
+        strays = [
+            ref
+            for pid in present
+            if pid not in self._held
+            and pid not in self._taking
+            and (ref := self._stray_ref(pid)) is not None
+        ]
+        for ref in sorted(strays, key=lambda ref: ref.token, reverse=True):
+            if await _ops.stop(self._redis, self._keys, ref):
                 self._log.warning(
                     "returned stray process to its queue",
-                    extra={"queue": ref.queue, "process_id": pid},
+                    extra={"queue": ref.queue, "process_id": ref.id},
                 )
+
+    def _stray_ref(self, process_id: str) -> ProcessRef | None:
+        try:
+            return parse_process_id(process_id)
+        except InvalidProcessIdError:
+            self._log.warning("ignored a malformed process id %r in Redis", process_id)
+            return None
 
     async def _after_reconnect(self) -> None:
         """Messages may have been missed while the subscriber was away: wake the
@@ -723,7 +789,7 @@ class Worqr:
             self._log.warning("re-check after reconnect failed: %s", exc)
             return
         for queue, present in zip(queues, registered, strict=True):
-            await self._events.poke(queue, "work" if present else "delete", "")
+            self._events.poke(queue, "work" if present else "delete", "")
 
     # -- events ------------------------------------------------------------------------
 
@@ -791,13 +857,16 @@ class Worqr:
 
     async def _settle(self, process: Process, outcome: str, detail: str | None) -> None:
         """Apply a handler's outcome to its process, retrying while Redis is away
-        (for at most ``worker_timeout``: after that the lease is lost anyway)."""
+        (for at most ``worker_timeout``: after that the lease is lost anyway).
+
+        The process stays known to this peer, marked as ending, until Redis has
+        answered: forgotten earlier, the audit would find it recorded but unknown and
+        return it to the queue although its handler is done. Only when the retries
+        give up is it forgotten, and the audit then returns it if it is still there.
+        """
         ref = split_process_id(process.id)
         if await self._fenced(ref):  # reported lost with the rest of the worker's leases
             return
-        # Forgotten before Redis is asked: if Redis stays away too long, the audit
-        # finds the process recorded under this live worker and returns it.
-        self._held.pop(process.id, None)
         action: Callable[[], Awaitable[object]]
         if outcome in ("finish", "cancelled"):
             result = detail if outcome == "finish" else None
@@ -807,9 +876,19 @@ class Worqr:
         elif outcome == "requeue":
             action = lambda: self.stop_process(process)  # noqa: E731
         else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
+            self._held.pop(process.id, None)
             return
         if self._closed:
             return
+        try:
+            with self._ending_process(process.id):
+                await self._settle_with_retries(process, outcome, action)
+        finally:
+            self._held.pop(process.id, None)
+
+    async def _settle_with_retries(
+        self, process: Process, outcome: str, action: Callable[[], Awaitable[object]]
+    ) -> None:
         epoch = self._epoch
         try:  # outside any cancel scope: the common case costs no timer
             await action()
@@ -857,7 +936,8 @@ class Worqr:
     async def _fail_process(self, ref: ProcessRef, error: str) -> bool:
         if await self._fenced(ref):
             return False
-        task = await _ops.fail(self._redis, self._keys, ref, error)
+        with self._ending_process(ref.id):
+            task = await _ops.fail(self._redis, self._keys, ref, error)
         self._held.pop(ref.id, None)
         self._note(ref, self._failed_here, task)
         return task is not None
