@@ -411,6 +411,21 @@ async def test_large_tasks_go_through_stdin_only(
     assert [d["result"] for d in done] == ["100000 False", "partial", "2 True"]
 
 
+async def test_commands_that_never_read_stdin_finish_their_tasks(
+    redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    done = await collect_done(peer)
+    tasks = ["a", "b", "c", "d", "e", "f", "x" * 300_000]  # the last fills the pipe
+    await peer.enqueue(QUEUE, tasks)
+    command = ["sh", "-c", 'echo "$WORQR_QUEUE"']
+    async with worqr_run(redis_url, prefix, tmp_path, command, "--concurrency", "3") as run:
+        await eventually(lambda: len(done) == len(tasks), 15)
+        await peer.delete_queue(QUEUE)
+        assert await run.exit_code() == 0
+    assert [d["result"] for d in done] == [QUEUE] * len(tasks)
+    assert await peer.get_failed(QUEUE) == []
+
+
 RENDEZVOUS = """
 import pathlib, sys, time
 here, task = pathlib.Path(sys.argv[1]), sys.stdin.read()

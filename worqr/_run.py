@@ -293,11 +293,11 @@ async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
     """Write the task to the child's stdin and close it; a child that exits without
     reading it all is not an error."""
     try:
-        if data:
+        if data and not stdin.is_closing():
             stdin.write(data)
             await stdin.drain()
         stdin.close()
-    except OSError:  # BrokenPipeError, ConnectionResetError
+    except (OSError, RuntimeError):  # BrokenPipe, ConnectionReset; uvloop: "handler is closed"
         pass
 
 
