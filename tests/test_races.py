@@ -3,6 +3,7 @@ interleaving that a slow link or a busy fleet produces, then checks where every 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import sys
@@ -11,10 +12,11 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 import pytest
 from redis.asyncio import Redis
 
-from worqr import Process, Worqr, _names, _ops
+from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _names, _ops
 from worqr._check import Problem
 from worqr._keys import Keys
 
@@ -349,3 +351,89 @@ async def test_a_slow_lost_listener_does_not_hold_up_recovery(
     await eventually(lambda: real_client.exists(Keys(prefix).heartbeat(worqr.worker_id)))
     assert worqr.worker_id in await worqr.get_workers()
     assert not done.is_set()  # re-registered while the listener still ran
+
+
+# -- what the adversarial review found -----------------------------------------------------
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3, 6])
+@pytest.mark.parametrize("how", ["fail_worker", "shutdown", "stop_work"])
+async def test_consume_racing_a_fail_or_stop_never_runs_unsupervised(
+    make: Factory, real_client: Redis, prefix: str, turns: int, how: str
+) -> None:
+    """Whatever the interleaving: consume ends, or it runs with a live worker (one that
+    started after the failure) on a queue it works on. Never a consumer nobody
+    supervises, whose tasks a peer would reclaim while they run."""
+    worqr = make()
+    ended = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        await anyio.sleep(30)
+
+    async def consume() -> None:
+        with contextlib.suppress(ClosedError):
+            await worqr.consume("jobs", handler)
+        ended.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        for _ in range(turns):
+            await anyio.lowlevel.checkpoint()
+        if how == "fail_worker":
+            await worqr.fail_worker()
+        elif how == "shutdown":
+            await worqr.shutdown(grace=0.1)
+        else:
+            await worqr.stop_work("jobs")
+        await anyio.sleep(FAST["worker_timeout"] * 2)
+        if not ended.is_set():
+            assert worqr._consumers
+            assert worqr._supervisor is not None
+            assert "jobs" in worqr._working
+            assert await real_client.exists(Keys(prefix).heartbeat(worqr.worker_id))
+            assert await worqr.get_working_queues() == ["jobs"]
+        else:
+            assert not worqr._consumers
+        tg.cancel_scope.cancel()
+
+
+async def test_a_lost_message_on_the_channel_does_not_stop_a_healthy_handler(
+    make: Factory, real_client: Redis, prefix: str
+) -> None:
+    worqr = make()
+    started, finished_ = anyio.Event(), anyio.Event()
+    ids: list[str] = []
+
+    async def handler(process: Process) -> str:
+        ids.append(process.id)
+        started.set()
+        await anyio.sleep(0.3)
+        finished_.set()
+        return "ok"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worqr.consume, "jobs", handler)
+        await worqr.enqueue("jobs", "t")
+        with anyio.fail_after(5):
+            await started.wait()
+        # ``lost`` is local to a worker: anyone may publish this, nobody must obey it.
+        await real_client.publish(Keys(prefix).events("jobs"), f"lost:{ids[0]}")
+        with anyio.fail_after(5):
+            await finished_.wait()
+        await eventually(finished(worqr, "jobs", 1))
+        tg.cancel_scope.cancel()
+
+
+async def test_a_stop_whose_reply_was_lost_reports_an_unknown_outcome_and_moves_once(
+    via_proxy: Worqr, proxy: LatencyProxy
+) -> None:
+    worqr = via_proxy
+    await worqr.start_worker()
+    await worqr.start_work("jobs")
+    await worqr.enqueue("jobs", ["t1", "t2"])
+    process = await worqr.dequeue("jobs")
+    assert process is not None
+    proxy.lose_next_exec_reply()
+    with pytest.raises(BackendUnavailableError, match="may or may not"):
+        await worqr.stop_process(process)  # resent, it reported False: "nothing moved"
+    assert await worqr.get_tasks("jobs") == ["t1", "t2"]

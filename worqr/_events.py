@@ -40,13 +40,16 @@ from ._log import PeerLog
 from ._models import Listener
 from ._ops import text
 
+CHANNEL_EVENTS = frozenset({"work", "cancel", "delete", "done"})
+"""The event types that travel on channels (``lost`` is made by a worker for itself)."""
+
 Hook = Callable[[str, str], None]
 """An internal, synchronous event hook (the consumers' wake-up and cancel path)."""
 
 _POLL = 0.05
 _MAX_BACKOFF = 2.0
 _SETTLE_LIMIT = 10.0
-_BACKLOG = 10_000  # events waiting for listeners before the subscriber stops reading
+_BACKLOG = 10_000  # events waiting for listeners before the oldest is dropped
 _MAX_COUNT_DIGITS = 18  # a ``work:N`` count longer than this is not a count
 
 
@@ -90,7 +93,6 @@ class Events:
         self._refused: BackendError | None = None
         self._backlog: deque[tuple[str, str, str]] = deque()  # for the listeners
         self._queued = anyio.Event()  # the backlog is not empty
-        self._room = anyio.Event()  # the backlog shrank below `_BACKLOG`
 
     # -- registration ------------------------------------------------------------------
 
@@ -185,11 +187,24 @@ class Events:
                 self._log.exception("event hook failed on %s event", kind, extra={"queue": queue})
 
     def dispatch(self, queue: str, kind: str, message: str) -> None:
-        """Deliver an event to the hooks now, and queue it for the listeners."""
+        """Deliver an event to the hooks now, and queue it for the listeners.
+
+        The hooks never wait for the listeners: when these are `_BACKLOG` events
+        behind, the oldest waiting event is dropped for them (and logged), as Redis
+        would drop a subscriber that reads too slowly."""
         self.poke(queue, kind, message)
-        if queue in self._listeners:
-            self._backlog.append((queue, kind, message))
-            self._queued.set()
+        if queue not in self._listeners:
+            return
+        if len(self._backlog) >= _BACKLOG:
+            dropped = self._backlog.popleft()
+            self._log.warning(
+                "listeners are %d events behind: dropped a %s event",
+                _BACKLOG,
+                dropped[1],
+                extra={"queue": dropped[0]},
+            )
+        self._backlog.append((queue, kind, message))
+        self._queued.set()
 
     async def _deliver(self) -> None:
         """Run the listeners of each queued event, in order, one event at a time.
@@ -200,8 +215,6 @@ class Events:
             await self._queued.wait()
             while self._backlog:
                 queue, kind, message = self._backlog.popleft()
-                if len(self._backlog) < _BACKLOG:
-                    self._room.set()
                 for listener in list(self._listeners.get(queue, ())):
                     try:
                         outcome = listener(kind, message)
@@ -215,12 +228,6 @@ class Events:
                             extra={"queue": queue},
                         )
             self._queued = anyio.Event()
-
-    async def _make_room(self) -> None:
-        """Wait while the listeners are `_BACKLOG` events behind (Redis buffers meanwhile)."""
-        while len(self._backlog) >= _BACKLOG:
-            self._room = anyio.Event()
-            await self._room.wait()
 
     # -- the subscriber loop ---------------------------------------------------------------
 
@@ -302,7 +309,6 @@ class Events:
                 self._log.warning("skipped an event message that is not valid UTF-8")
                 continue
             if message is not None:
-                await self._make_room()
                 self._handle(message)
 
     async def _sync(self, pubsub: PubSub, requested: set[str], wanted: set[str]) -> None:
@@ -339,6 +345,13 @@ class Events:
                 )
                 return
             event, _, body = body.partition(":")
+            if event not in CHANNEL_EVENTS:  # ``lost`` is local: a message saying so is not ours
+                self._log.warning(
+                    "skipped an event message of unknown type %r",
+                    event[:40],
+                    extra={"queue": queue},
+                )
+                return
             if channel != self._keys.done(queue):
                 self.dispatch(queue, event, body)
                 return

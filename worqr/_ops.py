@@ -93,8 +93,14 @@ async def _in_order(r: Client, groups: Sequence[tuple[str, Sequence[Command]]]) 
     return replies
 
 
-async def _atomic(r: Client, key: str, commands: Sequence[Command]) -> list[Any]:
-    """Run commands in one MULTI/EXEC on the server of ``key``'s slot; their replies."""
+async def _atomic(once: Client, key: str, commands: Sequence[Command]) -> list[Any]:
+    """Run commands in one MULTI/EXEC on the server of ``key``'s slot; their replies.
+
+    ``once`` must not resend (see `_connections`): a transaction whose reply was lost
+    may still land later, so a resend could apply it twice, or report "nothing to do"
+    for what the first attempt did. The outcome is then unknown:
+    `BackendUnavailableError`.
+    """
 
     async def run(node: Redis) -> list[Any]:
         async with node.pipeline(transaction=True) as pipe:
@@ -103,7 +109,10 @@ async def _atomic(r: Client, key: str, commands: Sequence[Command]) -> list[Any]
             replies: list[Any] = await pipe.execute()
             return replies
 
-    return await on_slot(r, key, run)
+    try:
+        return await on_slot(once, key, run)
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise _unknown_outcome() from exc
 
 
 async def _optimistic(
@@ -256,8 +265,9 @@ async def enqueue_unique(
 
 
 @redis_boundary
-async def cancel(r: Client, keys: Keys, queue: str, task: str) -> int:
-    """Remove every queued copy of a task and release its unique mark.
+async def cancel(once: Client, keys: Keys, queue: str, task: str) -> int:
+    """Remove every queued copy of a task and release its unique mark (``once``: a
+    client that never resends, see `_atomic`).
 
     Keys: tasks (LIST), unique (SET), deaths (HASH).
       1. MULTI
@@ -269,7 +279,7 @@ async def cancel(r: Client, keys: Keys, queue: str, task: str) -> int:
     """
 
     removed, _, _, _ = await _atomic(
-        r,
+        once,
         keys.tasks(queue),
         [
             ("LREM", keys.tasks(queue), 0, task),
@@ -285,8 +295,10 @@ _DELETE_PASSES = 10
 
 
 @redis_boundary
-async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
+async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     """Delete a queue with everything in it: queued, in-process and failed tasks, marks.
+    The sweeps go through ``once``, a client that never resends (see `_atomic`): a
+    sweep that lands late must not find tasks enqueued after the call returned.
 
     No WATCH over the workers' bookkeeping: on a busy queue the workers change their
     held sets all the time, and a transaction that must see none of them change would
@@ -334,7 +346,7 @@ async def delete_queue(r: Client, keys: Keys, queue: str) -> None:
         ]
         if attempt == 0:
             sweep.append(("PUBLISH", keys.events(queue), event("delete")))
-        await _atomic(r, keys.tasks(queue), sweep)
+        await _atomic(once, keys.tasks(queue), sweep)
         if not any(held):
             break
     for worker_id in holders:
@@ -650,8 +662,9 @@ async def fail(r: Client, keys: Keys, ref: ProcessRef, error: str) -> str | None
 
 
 @redis_boundary
-async def stop(r: Client, keys: Keys, ref: ProcessRef) -> str | None:
-    """Return a process's task to the FRONT of its queue; its unique mark stays.
+async def stop(once: Client, keys: Keys, ref: ProcessRef) -> str | None:
+    """Return a process's task to the FRONT of its queue; its unique mark stays
+    (``once``: a client that never resends, see `_atomic`).
 
     Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET). No WATCH: LMOVE from a
     missing list is a no-op, so a late stop changes nothing.
@@ -663,7 +676,7 @@ async def stop(r: Client, keys: Keys, ref: ProcessRef) -> str | None:
     """
     queue = ref.queue
     task, _, _ = await _atomic(
-        r,
+        once,
         keys.tasks(queue),
         [
             ("LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"),

@@ -37,9 +37,11 @@ class Host(Protocol):
 
     async def _recheck_queues(self, waiting: dict[str, int]) -> None: ...
 
-    def _audit_snapshot(self) -> frozenset[str]: ...
+    def _audit_snapshot(self) -> tuple[int, frozenset[str]]: ...
 
-    async def _audit_processes(self, recorded: list[str], known: frozenset[str]) -> None: ...
+    async def _audit_processes(
+        self, recorded: list[str], snapshot: tuple[int, frozenset[str]]
+    ) -> None: ...
 
     def _working_queues(self) -> list[str]: ...
 
@@ -139,10 +141,10 @@ class Supervisor:
                 if await _ops.acquire_supervision(self._client, keys, host.worker_id, lease_ms):
                     await host.cleanup_workers()
                 queues = host._working_queues()
-                known = host._audit_snapshot()  # before the read is sent
+                snapshot = host._audit_snapshot()  # before the read is sent
                 found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
                 recorded = [pid for _, held in found for pid in held]
-                await host._audit_processes(recorded, known)
+                await host._audit_processes(recorded, snapshot)
                 waiting = [count for count, _ in found]
                 await host._recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:

@@ -314,7 +314,7 @@ class Worqr:
     async def delete_queue(self, queue: str) -> None:
         """Delete the queue and all its tasks (queued, in process, failed); publishes
         ``delete``, which ends the `consume` loops of the queue."""
-        await _ops.delete_queue(self._redis, self._keys, check_queue(queue))
+        await _ops.delete_queue(self._redis, self._once, self._keys, check_queue(queue))
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -342,7 +342,7 @@ class Worqr:
     async def cancel_tasks(self, queue: str, task: str) -> int:
         """Remove every queued copy of ``task``; publishes ``cancel`` so that workers
         running a copy can stop it. Returns the number of queued copies removed."""
-        return await _ops.cancel(self._redis, self._keys, check_queue(queue), check_task(task))
+        return await _ops.cancel(self._once, self._keys, check_queue(queue), check_task(task))
 
     async def get_failed(self, queue: str) -> list[FailedTask]:
         """The queue's failed tasks, oldest first."""
@@ -378,7 +378,7 @@ class Worqr:
         so the audit never takes its process for a stray; after the call, the ids of an
         attempt whose outcome stayed unknown are the audit's to return.
         """
-        if self._lost:
+        if self._lost or self._closed or self._supervisor is None:
             return []
         epoch = self._epoch
         reserved: list[str] = []
@@ -402,7 +402,7 @@ class Worqr:
             )
             if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
                 for process in reversed(taken):
-                    await _ops.stop(self._redis, self._keys, split_process_id(process.id))
+                    await _ops.stop(self._once, self._keys, split_process_id(process.id))
                 return []
             for process in taken:
                 self._held[process.id] = process
@@ -444,7 +444,7 @@ class Worqr:
         if await self._fenced(ref):
             return False
         with self._ending_process(ref.id):
-            task = await _ops.stop(self._redis, self._keys, ref)
+            task = await _ops.stop(self._once, self._keys, ref)
         self._held.pop(ref.id, None)
         return task is not None
 
@@ -579,9 +579,14 @@ class Worqr:
         start it again.
         """
         target = self._worker_id if worker_id is None else check_worker_id(worker_id)
-        if target == self._worker_id:
-            self._stop_worker("failed")
-        outcome = await _ops.fail_worker(self._redis, self._keys, target, only_if_dead=False)
+        if target != self._worker_id:
+            outcome = await _ops.fail_worker(self._redis, self._keys, target, only_if_dead=False)
+        else:  # after a start in progress, so that it cannot re-register the failed worker
+            async with self._starting:
+                self._stop_worker("failed")
+                outcome = await _ops.fail_worker(
+                    self._redis, self._keys, target, only_if_dead=False
+                )
         return sum(len(reclaimed.returned) for reclaimed in (outcome or {}).values())
 
     def _stop_worker(self, reason: str) -> None:
@@ -730,17 +735,21 @@ class Worqr:
             if count:
                 self._events.poke(queue, "work", str(count))
 
-    def _audit_snapshot(self) -> frozenset[str]:
-        """The processes this peer holds and is not ending, taken just before the
-        audit's read: each one's dequeue was answered before the read was sent, so
-        Redis recorded it before the read ran."""
-        return frozenset(pid for pid in self._held if pid not in self._ending)
+    def _audit_snapshot(self) -> tuple[int, frozenset[str]]:
+        """The lease epoch and the processes this peer holds and is not ending, taken
+        just before the audit's read: each one's dequeue was answered before the read
+        was sent, so Redis recorded it before the read ran."""
+        return self._epoch, frozenset(pid for pid in self._held if pid not in self._ending)
 
-    async def _audit_processes(self, recorded: list[str], known: frozenset[str]) -> None:
+    async def _audit_processes(
+        self, recorded: list[str], snapshot: tuple[int, frozenset[str]]
+    ) -> None:
         """Reconcile the processes Redis records under this worker with the ones this
         peer holds (``known``: `_audit_snapshot` before the read).
 
-        A held process Redis no longer records, that was held before the read and is
+        Skipped when the leases were lost since the snapshot (the recovery hands back
+        what is recorded). A held process Redis no longer records, that was held before
+        the read and is
         not being ended, was taken away (a peer that took this worker for dead
         reclaimed it, or another peer ended it by id): it is reported ``lost``, which
         stops its handler. A recorded process this peer neither holds nor is
@@ -749,6 +758,9 @@ class Worqr:
         involved, so neither a slow link nor a clock step can make a live process look
         like either.
         """
+        epoch, known = snapshot
+        if epoch != self._epoch or self._lost:  # the leases were lost meanwhile: the
+            return  # recovery hands back what is recorded; this read is out of date
         present = set(recorded)
         for pid in known - present:
             process = self._held.get(pid)
@@ -764,7 +776,7 @@ class Worqr:
             and (ref := self._stray_ref(pid)) is not None
         ]
         for ref in sorted(strays, key=lambda ref: ref.token, reverse=True):
-            if await _ops.stop(self._redis, self._keys, ref):
+            if await _ops.stop(self._once, self._keys, ref):
                 self._log.warning(
                     "returned stray process to its queue",
                     extra={"queue": ref.queue, "process_id": ref.id},
@@ -839,9 +851,18 @@ class Worqr:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         if self._supervisor is None:
             await self.start_worker()
+        supervisor = self._supervisor
+        if supervisor is None:  # failed as soon as it started
+            return
         started_here = queue not in self._working
         if started_here:
             await self.start_work(queue)
+        # The awaits above let others run: a shutdown, fail_worker or stop_work that
+        # came meanwhile must end this call, not leave a consumer nobody stops.
+        if self._closed:
+            raise ClosedError("this Worqr was closed while consume started")
+        if self._supervisor is not supervisor or queue not in self._working:
+            return
         consumer = Consumer(self, queue, handler, concurrency, self._log)
         self._consumers.add(consumer)
         self._events.add_hook(queue, consumer.hook)
