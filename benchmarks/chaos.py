@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -683,6 +684,7 @@ async def account(
         if faults.reclaim_across_restart
         else None,
         "orphaned keys": len(problems),
+        "their kinds": dict(Counter(problem.kind for problem in problems)) or None,
         "dead workers listed": len(workers - set(fleet.workers)),
         "fault fenced leases (lost events)": await raw.scard(FENCED) - calm_fenced,
     }

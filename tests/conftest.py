@@ -5,6 +5,7 @@ gets a fresh key prefix."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.parse
 import uuid
@@ -89,6 +90,20 @@ async def make(client: Client, prefix: str, real_client: Redis) -> AsyncIterator
     It takes ``real_client`` too, so peers a test builds on it (``redis=real_client``)
     close before that client does: a running peer's loops go on sending commands, and
     a command on a closed redis-py client reopens a connection nothing would close."""
+    async with peers_on(client, prefix) as factory:
+        yield factory
+
+
+@pytest.fixture
+async def real_make(real_client: Redis, prefix: str) -> AsyncIterator[Factory]:
+    """`make`, on the real server only (for races that need one), whatever the backend."""
+    async with peers_on(real_client, prefix) as factory:
+        yield factory
+
+
+@contextlib.asynccontextmanager
+async def peers_on(client: Client, prefix: str) -> AsyncIterator[Factory]:
+    """A factory of peers on ``client`` (or ``redis=``) and ``prefix``, closed at the end."""
     peers: list[Worqr] = []
 
     def factory(**options: Any) -> Worqr:
@@ -97,9 +112,11 @@ async def make(client: Client, prefix: str, real_client: Redis) -> AsyncIterator
         peers.append(worqr)
         return worqr
 
-    yield factory
-    for worqr in peers:
-        await worqr.close()
+    try:
+        yield factory
+    finally:
+        for worqr in peers:
+            await worqr.close()
 
 
 @pytest.fixture

@@ -25,18 +25,9 @@ from .proxy import LatencyProxy
 
 
 @pytest.fixture
-async def make(real_client: Redis, prefix: str) -> AsyncIterator[Factory]:
+def make(real_make: Factory) -> Factory:
     """Peers on the real server only (these races need one)."""
-    peers: list[Worqr] = []
-
-    def factory(**options: object) -> Worqr:
-        worqr = Worqr(real_client, **{"prefix": prefix, **FAST, **options})  # type: ignore[arg-type]
-        peers.append(worqr)
-        return worqr
-
-    yield factory
-    for worqr in peers:
-        await worqr.close()
+    return real_make
 
 
 @pytest.fixture

@@ -308,34 +308,38 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     stop); a process dequeued between a pass's read and its EXEC survives it, still
     recorded, and the next pass deletes it. A late finish or reclaim of a deleted
     process finds it gone (their WATCH on it aborts them). Passes go on until one
-    finds no process, at most `_DELETE_PASSES`: processes that appear after that come
-    from tasks enqueued after the delete, which belong to the queue's next life.
+    finds no process in a read made after its sweep, at most `_DELETE_PASSES`:
+    processes that appear after that come from tasks enqueued after the delete, which
+    belong to the queue's next life.
 
-    The registry entry goes after the data, and comes back if tasks were pushed
-    meanwhile: `enqueue` registers after its push, so a queue with tasks is never left
-    unregistered.
+    The registry entry goes after the data, and comes back if the queue's next life
+    began meanwhile (tasks pushed, or a process taken from them): `enqueue` registers
+    after its push, so a queue with tasks or processes is never left unregistered.
     Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, deaths; queues.
       1. SMEMBERS holders;  SMEMBERS held:<w> (per holder)     -> ids
       2. MULTI
       3. DEL tasks failed unique deaths p:<id>...
       4. SREM held:<w> <id>...                                  (per holder)
       5. PUBLISH events delete:                                 (first pass)
-      6. EXEC                                   -> ids were found: back to 1
-      7. `drop_holder` per holder
-      8. SREM queues queue
-      9. EXISTS tasks                           -> 1: SADD queues queue
+      6. EXEC
+      7. SMEMBERS holders;  SMEMBERS held:<w>   -> ids: back to 2 with them
+      8. `drop_holder` per holder
+      9. SREM queues queue
+     10. EXISTS tasks holders                   -> any: SADD queues queue
     """
     doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.deaths(queue)]
-    holders: list[str] = []
-    for attempt in range(_DELETE_PASSES):
-        holders = [text(w) for w in await call(r, "SMEMBERS", keys.holders(queue))]
-        held: list[list[Any]] = []
-        if holders:
-            async with r.pipeline(transaction=False) as pipe:
-                for worker_id in holders:
-                    pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
-                held = await pipe.execute()
 
+    async def read() -> tuple[list[str], list[list[Any]]]:
+        holders = [text(w) for w in await call(r, "SMEMBERS", keys.holders(queue))]
+        if not holders:
+            return holders, []
+        async with r.pipeline(transaction=False) as pipe:
+            for worker_id in holders:
+                pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
+            return holders, await pipe.execute()
+
+    holders, held = await read()
+    for attempt in range(_DELETE_PASSES):
         sweep: list[Command] = [
             ("DEL", *doomed, *(keys.process(queue, text(pid)) for pids in held for pid in pids))
         ]
@@ -347,13 +351,16 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
         if attempt == 0:
             sweep.append(("PUBLISH", keys.events(queue), event("delete")))
         await _atomic(once, keys.tasks(queue), sweep)
+        # Read again AFTER the sweep: a process dequeued between the last read and the
+        # sweep survived it, and only a read made after the sweep can see it.
+        holders, held = await read()
         if not any(held):
             break
     for worker_id in holders:
         await drop_holder(r, keys, queue, worker_id)
     await call(r, "SREM", keys.queues, queue)
-    if await call(r, "EXISTS", keys.tasks(queue)):
-        await call(r, "SADD", keys.queues, queue)
+    if await call(r, "EXISTS", keys.tasks(queue), keys.holders(queue)):
+        await call(r, "SADD", keys.queues, queue)  # the queue's next life began meanwhile
 
 
 @redis_boundary
