@@ -102,6 +102,15 @@ async def _atomic(once: Client, key: str, commands: Sequence[Command]) -> list[A
     `BackendUnavailableError`.
     """
 
+    try:
+        return await on_slot(once, key, _transaction(commands))
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise _unknown_outcome() from exc
+
+
+def _transaction(commands: Sequence[Command]) -> Callable[[Redis], Awaitable[list[Any]]]:
+    """What `on_slot` runs for one MULTI/EXEC of ``commands``: their replies."""
+
     async def run(node: Redis) -> list[Any]:
         async with node.pipeline(transaction=True) as pipe:
             for command in commands:
@@ -109,10 +118,7 @@ async def _atomic(once: Client, key: str, commands: Sequence[Command]) -> list[A
             replies: list[Any] = await pipe.execute()
             return replies
 
-    try:
-        return await on_slot(once, key, run)
-    except (RedisConnectionError, RedisTimeoutError) as exc:
-        raise _unknown_outcome() from exc
+    return run
 
 
 async def _optimistic(
@@ -498,24 +504,16 @@ async def dequeue(
         def new_ids(count: int) -> list[str]:
             return [new_process_id(worker_id, queue).id for _ in range(count)]
 
-    def take(ids: list[str]) -> Callable[[Redis], Awaitable[list[Any]]]:
-        async def run(node: Redis) -> list[Any]:
-            async with node.pipeline(transaction=True) as pipe:
-                for pid in ids:
-                    pipe.execute_command(
-                        "LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT"
-                    )
-                pipe.execute_command("SADD", held, *ids)
-                pipe.execute_command("SADD", keys.holders(queue), worker_id)
-                replies: list[Any] = await pipe.execute()
-                return replies[: len(ids)]
-
-        return run
+    def take(ids: list[str]) -> list[Command]:
+        moves: list[Command] = [
+            ("LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT") for pid in ids
+        ]
+        return [*moves, ("SADD", held, *ids), ("SADD", keys.holders(queue), worker_id)]
 
     for _ in range(_MAX_ATTEMPTS):
         ids = new_ids(k)
         try:
-            tasks = await on_slot(once, keys.tasks(queue), take(ids))
+            tasks = (await on_slot(once, keys.tasks(queue), _transaction(take(ids))))[:k]
             break
         except (RedisConnectionError, RedisTimeoutError):
             async with r.pipeline(transaction=False) as reads:
