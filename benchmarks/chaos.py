@@ -1,45 +1,75 @@
 """Chaos run: prove that no task is lost, and that none runs twice without a fault to
-blame, while workers are killed, stalled and cut off, and the server restarts.
+blame, while workers are killed, stalled and cut off, the server restarts and freezes,
+and another client writes garbage under the prefix.
 
 ``python -m benchmarks.chaos`` runs the full run (50,000 tasks), ``--quick`` a scaled-down
 one of about a minute. It starts its own server (AOF on, ``appendfsync everysec``) on a
-free loopback port and real OS processes, and drives one worker fleet through two phases:
+free loopback port and real OS processes, and drives one worker fleet through four phases
+(``--phases`` picks some of them, in this order):
 
 1. calm: tasks ``calm-NNNNNN`` are enqueued and all run to their end with no fault
    injected at all; a duplicate execution here is a bug, whatever caused it. Every
    tenth one runs for one to two worker timeouts, so that long-held processes, too,
    finish while the workers' periodic audits run;
-2. fault: producers enqueue the workload while the faults below strike on a schedule.
+2. fault: producers enqueue the workload while the faults below strike on a schedule;
+3. frozen: tasks ``frozen-NNNNNN`` are enqueued in chunks, and after each chunk either
+   the server is SIGSTOPped for 3-5 s (longer than the worker timeout: every worker's
+   heartbeat expires) or one worker is SIGSTOPped for three worker timeouts, so that
+   its peers take its leases over; then SIGCONT. A subscriber of the ``done`` channel
+   counts the finishes of each task: a fenced worker's late finish must change
+   nothing, so no task may be finished twice. Its handlers run 0.2-0.6 s, so that
+   every freeze catches tasks in process;
+4. hostile: tasks ``hostile-NNNNNN`` (whose handlers run 0.2-0.6 s, so that a kill
+   catches some in process) are enqueued four batches a second while a random worker
+   is SIGKILLed about once a second and another client writes garbage under the
+   prefix four times a second: keys of the wrong type for every kind of key of a
+   queue the workload does not use and of two fake workers (all listed in the
+   registries, so that supervision meets them), tasks that are not valid UTF-8 pushed
+   onto the workload's own queue (each must end in its failed list with a reason,
+   never reach a handler), malformed messages on the workload's ``events`` and
+   ``done`` channels, junk records in the failed list of another queue. A peer's
+   supervision must give every SIGKILLed worker's processes back within ten reclaim
+   bounds of its kill, and drop the dead workers from the registry once the garbage
+   is taken away. It runs last: what a fleet that cannot cope with the garbage leaves
+   behind would spoil the phases after it.
 
-Faults: SIGKILL of a random worker about once a second (each replaced at once);
-``CLIENT KILL`` of every connection five times; one worker SIGSTOPped for three
-worker timeouts, then SIGCONTed; one server restart; a handler that blocks its event
-loop for longer than the worker timeout. Inputs: poison tasks whose handler raises, a
-10 MB task, unicode and binary-looking payloads, one task enqueued 25 times.
+Faults of the fault phase: SIGKILL of a random worker about once a second (each
+replaced at once); ``CLIENT KILL`` of every connection five times; one worker
+SIGSTOPped for three worker timeouts, then SIGCONTed; one server restart; a handler
+that blocks its event loop for longer than the worker timeout. Inputs: poison tasks
+whose handler raises, a 10 MB task, unicode and binary-looking payloads, one task
+enqueued 25 times.
 
-Modes (they combine): ``--proxy`` puts every worker behind a loopback proxy that
-delays each chunk (``python -m tests.proxy``, run as a process of its own so that its
-forwarding shares no event loop with this one); producers and the accounting connect
-directly. ``--high-concurrency`` runs 4 workers x 2,500 handler slots, fed in bursts of
-2,500 tasks, so that one worker holds thousands of processes at once; it keeps worqr's
-default timing (a 3 s worker timeout), since a loop that runs thousands of handlers on
-a busy machine can lag past the 1 s used otherwise, and then it is fenced.
+Modes (they combine, and apply to every phase): ``--proxy`` puts every worker behind a
+loopback proxy that delays each chunk (``python -m tests.proxy``, run as a process of
+its own so that its forwarding shares no event loop with this one); producers, the
+garbage writer and the accounting connect directly. ``--high-concurrency`` runs 4
+workers x 2,500 handler slots, fed in bursts of 2,500 tasks, so that one worker holds
+thousands of processes at once; it keeps worqr's default timing (a 3 s worker
+timeout), since a loop that runs thousands of handlers on a busy machine can lag past
+the 1 s used otherwise, and then it is fenced. There is no Cluster mode: the harness
+runs one server (the Cluster's failover is tested by ``tests/test_failover.py``).
 
 It prints a markdown table (``--json``: the report as JSON on the last line too) and
-exits non-zero on a lost task in either phase, any duplicate in the calm phase, more
-duplicates in the fault phase than tasks were in flight at the faults, an orphaned key
-or a dead worker left registered. Timings are reported, never judged: a slow machine
-must not fail the run.
+exits non-zero on a lost task in any phase, any duplicate in the calm phase, more
+duplicates in a faulty phase than tasks were in flight at its faults, a task finished
+twice, a garbage task that is not in the failed list with a reason or that reached a
+handler, a SIGKILLed worker of the hostile phase not reclaimed in time, ``check()``
+failing on the garbage, an orphaned key or a dead worker left registered. Timings are
+reported, never judged: a slow machine must not fail the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -48,7 +78,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -61,6 +91,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worqr import Process, Worqr
 from worqr._embedded import EmbeddedServer
+from worqr._keys import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "chaos"
@@ -69,6 +100,7 @@ EXECUTIONS = "chaos-record:executions"  # HASH execution id -> "sha1(task) proce
 FENCED = "chaos-record:fenced"  # SET of process ids reported lost
 SLEPT = "chaos-record:slept"  # STRING: set once the blocking handler has blocked
 LAGS = "chaos-record:lags"  # HASH worker id -> its worst event-loop lag so far (s)
+GARBAGE_SEEN = "chaos-record:garbage-seen"  # SET of garbage tasks a handler was given
 DUPLICATED = 25
 BIG = "big:" + "x" * (10 * 1024 * 1024)
 SPECIAL = ["ünïcødé ✓ 日本語 🚀", "\x00\x01\x02binary-looking\xff\xfe", "", "tab\tand\nnewline"]
@@ -80,6 +112,22 @@ SAMPLE_EVERY = 0.05  # seconds between samples of the processes each worker hold
 LAG_PROBE = 0.05  # seconds a worker's lag probe sleeps
 SAMPLES_SHOWN = 5  # calm duplicates named on stderr
 LONG_EVERY = 10  # every tenth calm task runs longer than the worker timeout
+PHASES = ("calm", "fault", "frozen", "hostile")
+KEYS = Keys(PREFIX)
+SLOW_HANDLER = (0.2, 0.6)  # seconds a frozen or hostile task's handler runs, so that a
+# freeze or a kill catches many in process
+FREEZE = (3.0, 5.0)  # seconds the server stays SIGSTOPped, uniformly in this range
+RECLAIM_MARGIN = 10  # hostile phase: a SIGKILLed worker is reclaimed within 10 bounds
+GARBAGE_EVERY = 0.25  # seconds between two rounds of garbage
+GARBAGE_MARK = "garbage-"  # garbage task number N carries "garbage-NNNNNN" in ASCII
+GARBAGE_NUMBER = re.compile(rb"garbage-(\d{6})")
+UNRELATED = "hostile-unrelated"  # a queue the workload never uses: its keys get wrong types
+JUNK = "hostile-junk"  # another one: its failed list gets junk records
+GHOST = "hostile-ghost"  # a fake worker whose heartbeat is a list
+DEAD_GHOST = "hostile-dead-ghost"  # a fake worker listed without heartbeat
+GHOST_PROCESS = f"{DEAD_GHOST}/{'0' * 20}ab/{UNRELATED}"  # a well-formed process id
+GARBAGE_QUEUES = (UNRELATED, JUNK)
+GARBAGE_WORKERS = (GHOST, DEAD_GHOST)
 
 
 @dataclass(frozen=True)
@@ -99,10 +147,30 @@ class Settings:
     delay: float  # seconds each way, through the proxy
     jitter: float  # up to this many seconds more
     high_concurrency: bool
+    phases: tuple[str, ...] = PHASES
+    freezes: int = 3  # frozen phase: server SIGSTOPs
 
     @property
     def reclaim_bound(self) -> float:
         return self.timeout + self.cleanup + 0.5
+
+    @property
+    def hostile_reclaim_limit(self) -> float:
+        """Seconds a worker SIGKILLed in the hostile phase may take to be reclaimed."""
+        return RECLAIM_MARGIN * self.reclaim_bound
+
+    @property
+    def hostile_tasks(self) -> int:
+        return max(100, self.tasks // 5)
+
+    @property
+    def hostile_duration(self) -> float:
+        """Seconds of production, kills and garbage in the hostile phase."""
+        return self.duration / 3
+
+    @property
+    def frozen_tasks(self) -> int:
+        return max(100, self.tasks // 5)
 
     @property
     def calm_duration(self) -> float:
@@ -126,6 +194,7 @@ class Settings:
             *("--delay", str(self.delay * 1000), "--jitter", str(self.jitter * 1000)),
             *["--proxy"] * self.proxy,
             *["--high-concurrency"] * self.high_concurrency,
+            *("--phases", ",".join(self.phases), "--freezes", str(self.freezes)),
         ]
 
 
@@ -142,6 +211,8 @@ def handler_seconds(task: str, settings: Settings) -> float:
     """How long the handler of ``task`` runs."""
     if task.startswith("calm-") and int(task[len("calm-") :]) % LONG_EVERY == 0:
         return random.uniform(1.0, 2.0) * settings.timeout
+    if task.startswith(("frozen-", "hostile-")):
+        return random.uniform(*SLOW_HANDLER)
     return random.uniform(*settings.handler)
 
 
@@ -152,6 +223,91 @@ def workload(settings: Settings) -> dict[str, int]:
     tasks.update(dict.fromkeys(SPECIAL, 1))
     tasks.update({BIG: 1, "sleeper": 1, "duplicate": DUPLICATED})
     return tasks
+
+
+def hostile_workload(settings: Settings) -> list[str]:
+    return [f"hostile-{i:06d}" for i in range(settings.hostile_tasks)]
+
+
+def frozen_workload(settings: Settings) -> list[str]:
+    return [f"frozen-{i:06d}" for i in range(settings.frozen_tasks)]
+
+
+def garbage_task(number: int) -> bytes:
+    """Garbage task ``number``: bytes that are not valid UTF-8, in one of five ways,
+    around an ASCII mark that names it."""
+    mark = f"{GARBAGE_MARK}{number:06d}".encode()
+    forms = (
+        b"\xff\xfe" + mark,  # bytes that never occur in UTF-8
+        mark + b"\xc3\x28",  # a lead byte without its continuation
+        b"\xed\xa0\x80" + mark,  # an encoded surrogate
+        b"\xc0\xaf" + mark,  # an overlong form
+        mark + b"\x00\x9f\x92\x96\xe2\x82",  # binary, a stray continuation, a cut sequence
+    )
+    return forms[number % len(forms)]
+
+
+def wrong_typed_keys() -> list[tuple[str, str]]:
+    """(key, the wrong type written there): every kind of key of the layout, for a
+    queue the workload does not use and for two fake workers."""
+    unrelated = [
+        (KEYS.holders(UNRELATED), "string"),  # a SET
+        (KEYS.tasks(UNRELATED), "hash"),  # a LIST
+        (KEYS.failed(UNRELATED), "set"),  # a LIST
+        (KEYS.unique(UNRELATED), "list"),  # a SET
+        (KEYS.deaths(UNRELATED), "string"),  # a HASH
+        (KEYS.held(UNRELATED, DEAD_GHOST), "string"),  # a SET
+        (KEYS.process(UNRELATED, GHOST_PROCESS), "set"),  # a LIST
+    ]
+    deleted = getattr(KEYS, "deleted", None)  # a STRING, in layouts that have it
+    if callable(deleted):
+        unrelated.append((str(deleted(UNRELATED)), "hash"))
+    workers = [
+        (KEYS.worker_queues(GHOST), "string"),  # a SET
+        (KEYS.heartbeat(GHOST), "list"),  # a STRING
+        (KEYS.worker_queues(DEAD_GHOST), "string"),
+    ]
+    return unrelated + workers
+
+
+def malformed_messages() -> list[bytes]:
+    """Messages that make no sense on a queue's channels."""
+    noise = random.Random(17)
+    return [
+        bytes(noise.randrange(256) for _ in range(64)),
+        b"work:" + b"9" * 5000,
+        b"work:" + b"1" * 19,
+        b"work:-3",
+        b"work:\xc2\xb2",  # a superscript two: a digit to str.isdigit, not to int()
+        b"work:\xff\xfe",
+        b"done:" + b"[" * 100_000,
+        b"done:not json",
+        b"done:{}",
+        b"done:[1, 2]",
+        b'done:[{"process_id": 5}]',
+        b'done:[{"task": "\xff"}]',
+        b"cancel:no-such-task-" + uuid.uuid4().hex.encode(),
+        b"cancel:\xff\xfe",
+        b"frobnicate:1",
+        b"",
+        b"no colon at all",
+        b"lost:" + GHOST_PROCESS.encode(),
+        b"\x00" * 64,
+    ]
+
+
+JUNK_RECORDS = [
+    b"not json",
+    b"{",
+    b"[]",
+    b"{}",
+    b"null",
+    b'"a string"',
+    b"\xff\xfe\xfd",
+    b'{"task": 1, "error": [], "worker_id": null, "failed_at": "yesterday"}',
+    b'{"task": "t"}',
+    b'[{"task": "t", "error": "e", "worker_id": "w", "failed_at": 0}]',
+]
 
 
 # -- the worker and producer processes ------------------------------------------------------
@@ -165,7 +321,7 @@ async def worker_main(url: str, settings: Settings) -> None:
         BlockingConnectionPool.from_url(url, max_connections=RECORD_CONNECTIONS, timeout=None)
     )
 
-    async def remember(*command: str | int) -> None:
+    async def remember(*command: str | int | bytes) -> None:
         """Run an idempotent bookkeeping command, riding out connection losses and
         restarts."""
         with anyio.fail_after(30):
@@ -179,6 +335,9 @@ async def worker_main(url: str, settings: Settings) -> None:
     await remember("PING")  # the server may be restarting as this worker starts
 
     async def handler(process: Process) -> str:
+        if GARBAGE_MARK in process.task:  # bytes that are no text: no handler may get them
+            await remember("SADD", GARBAGE_SEEN, process.task.encode("utf-8", "replace"))
+            raise ValueError("a handler was given a task that is not valid UTF-8")
         if process.task.startswith("poison-"):
             raise ValueError(f"poison task {process.task}")
         if process.task == "sleeper" and await record.set(SLEPT, "1", nx=True):
@@ -366,6 +525,10 @@ class Faults:
     reclaim: list[float] = field(default_factory=list)
     reclaim_across_restart: list[float] = field(default_factory=list)
     outages: list[tuple[float, float]] = field(default_factory=list)  # server restarts
+    killed: set[str] = field(default_factory=set)  # workers SIGKILLed
+    freezes: int = 0  # server SIGSTOPs
+    frozen_for: float = 0.0  # seconds the server spent SIGSTOPped
+    stopped: set[str] = field(default_factory=set)  # workers SIGSTOPped
 
     def record_reclaim(self, killed_at: float, done_at: float) -> None:
         """Keep a reclaim time; one that spans a server restart is kept apart, since no
@@ -430,8 +593,11 @@ async def inject(server: EmbeddedServer, fleet: Fleet, raw: Redis, faults: Fault
                 await apply(kind, server, fleet, raw, faults, tg)
 
 
-async def kill(fleet: Fleet, raw: Redis, faults: Faults, tg: anyio.abc.TaskGroup) -> None:
-    """SIGKILL a random worker, and time how long its processes take to come back."""
+async def kill(
+    fleet: Fleet, raw: Redis, faults: Faults, tg: anyio.abc.TaskGroup
+) -> tuple[str, float, int]:
+    """SIGKILL a random worker, and time how long its processes take to come back;
+    return its id, when it was killed and how many processes it held."""
     victim = random.choice(sorted(fleet.workers))
     child = fleet.workers.pop(victim)
     held_before = await _safe(raw.scard(held_key(victim))) or 0
@@ -440,9 +606,11 @@ async def kill(fleet: Fleet, raw: Redis, faults: Faults, tg: anyio.abc.TaskGroup
     child.kill()
     killed_at = time.monotonic()
     faults.kills += 1
+    faults.killed.add(victim)
     await anyio.to_thread.run_sync(child.wait)
     if held_before:
         tg.start_soon(reclaim_latency, raw, victim, killed_at, faults)
+    return victim, killed_at, held_before
 
 
 async def apply(
@@ -460,9 +628,11 @@ async def apply(
             await _safe(raw.execute_command("CLIENT", "KILL", "TYPE", client_type))
         faults.client_kills += 1
     elif kind == "stall":
-        victim = fleet.workers[random.choice(sorted(fleet.workers))]
+        stopped = random.choice(sorted(fleet.workers))
+        victim = fleet.workers[stopped]
         victim.send_signal(signal.SIGSTOP)
         faults.stalls += 1
+        faults.stopped.add(stopped)
 
         async def wake() -> None:
             await anyio.sleep(fleet.settings.timeout * 3)
@@ -506,22 +676,43 @@ async def worst_lag(raw: Redis) -> float:
     return max((float(lag) for lag in await raw.hvals(LAGS)), default=0.0)
 
 
-async def failures(raw: Redis) -> list[dict[str, Any]]:
-    """The records of the failed list."""
-    return [json.loads(r) for r in await raw.lrange(f"{PREFIX}:q:{{{QUEUE}}}:failed", 0, -1)]
+async def failures(braw: Redis) -> list[dict[str, Any]]:
+    """The records of the workload queue's failed list that are JSON objects (read as
+    bytes: a record need not be text)."""
+    records = []
+    for record in await braw.lrange(KEYS.failed(QUEUE), 0, -1):
+        with contextlib.suppress(ValueError):
+            data = json.loads(record)
+            if isinstance(data, dict):
+                records.append(data)
+    return records
 
 
-async def settled(raw: Redis, expected: dict[str, int]) -> None:
+def task_of(record: dict[str, Any]) -> str | None:
+    task = record.get("task")
+    return task if isinstance(task, str) else None
+
+
+def sha1_of(record: dict[str, Any]) -> str | None:
+    """The key of a failed record's task, None for a task that is not text."""
+    task = task_of(record)
+    try:
+        return None if task is None else key(task)
+    except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8
+        return None
+
+
+async def settled(raw: Redis, braw: Redis, expected: dict[str, int]) -> None:
     """Wait (at most SETTLE_LIMIT) until the queue is empty, nothing is in process and
     every expected task that does not raise completed or was quarantined."""
     executions_needed = {key(t): n for t, n in expected.items() if not t.startswith("poison-")}
     with anyio.move_on_after(SETTLE_LIMIT):
         while True:
             try:
-                queued = await raw.llen(f"{PREFIX}:q:{{{QUEUE}}}:tasks")
+                queued = await raw.llen(KEYS.tasks(QUEUE))
                 if not queued and not await in_process(raw):
                     done = await executions(raw)
-                    quarantined = {key(record["task"]) for record in await failures(raw)}
+                    quarantined = {sha1_of(record) for record in await failures(braw)}
                     if all(
                         len(done.get(k, ())) >= n or k in quarantined
                         for k, n in executions_needed.items()
@@ -545,30 +736,470 @@ async def converged(admin: Worqr, fleet: Fleet) -> None:
             await anyio.sleep(0.5)
 
 
-async def calm_phase(fleet: Fleet, raw: Redis) -> float:
+async def fenced_now(raw: Redis) -> set[str]:
+    """Every process id reported lost so far."""
+    return set(cast("set[str]", await raw.smembers(FENCED)))
+
+
+@dataclass
+class Ledger:
+    """What the phases measured, for the accounting at the end."""
+
+    faults: Faults = field(default_factory=Faults)  # the fault phase
+    hostile: Faults = field(default_factory=Faults)
+    frozen: Faults = field(default_factory=Faults)
+    fenced: dict[str, set[str]] = field(default_factory=dict)  # phase -> ids reported lost
+    seconds: dict[str, float] = field(default_factory=dict)
+    calm_lag: float = 0.0
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)  # measured at a phase's end
+    finishes: dict[str, set[str]] = field(default_factory=dict)  # frozen task -> finished ids
+    stop_fenced: set[str] = field(default_factory=set)  # the stopped worker's lost leases
+
+
+async def calm_phase(fleet: Fleet, raw: Redis, braw: Redis) -> None:
     """Enqueue the calm tasks, paced like the producers, and wait until they are done,
-    with no fault injected; return how long that took."""
+    with no fault injected."""
     settings = fleet.settings
     tasks = calm_workload(settings)
-    began = time.monotonic()
     async with Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer:
         await enqueue_paced(producer, tasks, settings.batch, settings.calm_duration * 0.6)
-    await settled(raw, dict.fromkeys(tasks, 1))
-    return time.monotonic() - began
+    await settled(raw, braw, dict.fromkeys(tasks, 1))
 
 
-async def fault_phase(server: EmbeddedServer, fleet: Fleet, raw: Redis, faults: Faults) -> float:
-    """Run the producers under the fault schedule and wait until the workload is done;
-    return how long that took."""
-    began = time.monotonic()
+async def fault_phase(
+    server: EmbeddedServer, fleet: Fleet, raw: Redis, braw: Redis, faults: Faults
+) -> None:
+    """Run the producers under the fault schedule and wait until the workload is done."""
     producers = [fleet.producer(part) for part in range(fleet.settings.producers)]
     await inject(server, fleet, raw, faults)
     for producer in producers:
         code = await anyio.to_thread.run_sync(producer.wait)
         if code:
             raise RuntimeError(f"a producer failed with exit code {code}")
-    await settled(raw, workload(fleet.settings))
-    return time.monotonic() - began
+    await settled(raw, braw, workload(fleet.settings))
+
+
+# -- the hostile phase ------------------------------------------------------------------------
+
+
+@dataclass
+class Vandal:
+    """Another client that writes garbage under the prefix, a round every GARBAGE_EVERY
+    seconds: it (re)writes every wrong-typed key and lists the unrelated queues and the
+    fake workers in the registries (where supervision and check() meet them), adds a
+    junk record to a failed list, pushes one garbage task onto the workload's queue and
+    publishes two malformed messages on each of its channels."""
+
+    client: Redis  # bytes in, bytes out
+    rounds: int = 0
+    pushed: dict[int, bytes] = field(default_factory=dict)  # number -> garbage task
+    messages: int = 0
+    junk: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    async def run(self, seconds: float) -> None:
+        messages = malformed_messages()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                await self.round(messages)
+            except Exception as exc:  # reported: a garbage writer is not a worker
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            await anyio.sleep(GARBAGE_EVERY)
+
+    async def round(self, messages: list[bytes]) -> None:
+        number = self.rounds
+        self.rounds += 1
+        async with self.client.pipeline(transaction=True) as pipe:
+            for name, kind in wrong_typed_keys():
+                pipe.delete(name)
+                if kind == "string":
+                    pipe.set(name, b"garbage \xff")
+                elif kind == "hash":
+                    pipe.hset(name, b"field", b"\xfe")
+                elif kind == "set":
+                    pipe.sadd(name, b"member", b"\xfd")
+                else:
+                    pipe.rpush(name, b"item", b"\xfc")
+            pipe.sadd(KEYS.queues, *GARBAGE_QUEUES)
+            pipe.sadd(KEYS.workers, *GARBAGE_WORKERS)
+            pipe.rpush(KEYS.failed(JUNK), JUNK_RECORDS[number % len(JUNK_RECORDS)])
+            pipe.ltrim(KEYS.failed(JUNK), -len(JUNK_RECORDS), -1)
+            await pipe.execute()
+        self.junk += 1
+        task = garbage_task(len(self.pushed))
+        await self.client.rpush(KEYS.tasks(QUEUE), task)
+        self.pushed[len(self.pushed)] = task
+        for offset in range(2):
+            message = messages[(2 * number + offset) % len(messages)]
+            for channel in (KEYS.events(QUEUE), KEYS.done(QUEUE)):
+                await self.client.publish(channel, message)
+                self.messages += 1
+
+
+def garbage_numbers(value: object) -> set[int]:
+    """The garbage tasks a value names: their marks in it, as text or bytes, in a JSON
+    structure, or in base64 or hex of bytes."""
+    if isinstance(value, dict):
+        return set().union(*(garbage_numbers(v) for v in value.values()))
+    if isinstance(value, list | tuple):
+        return set().union(*(garbage_numbers(v) for v in value))
+    if isinstance(value, str):
+        value = value.encode("utf-8", "replace")  # lone surrogates become "?"
+    if not isinstance(value, bytes):
+        return set()
+    found = {int(number) for number in GARBAGE_NUMBER.findall(value)}
+    if not found:
+        for decode in (lambda v: base64.b64decode(v, validate=True), bytes.fromhex):
+            with contextlib.suppress(ValueError):
+                found |= {int(n) for n in GARBAGE_NUMBER.findall(decode(value.decode()))}
+    return found
+
+
+async def locate_garbage(braw: Redis, admin: Worqr) -> dict[str, Any]:
+    """Where the garbage tasks are: in the failed list with a reason (read raw, and
+    through `Worqr.get_failed`, whose records may show the bytes in a field of their
+    own), in the failed list without one, still queued, or in a process."""
+    with_reason: set[int] = set()
+    without_reason: set[int] = set()
+    for record in await braw.lrange(KEYS.failed(QUEUE), 0, -1):
+        try:
+            data: Any = json.loads(record)
+        except ValueError:
+            data = record
+        numbers = garbage_numbers(data)
+        reason = isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"]
+        (with_reason if reason else without_reason).update(numbers)
+    api = "ok"
+    try:
+        for failed in await admin.get_failed(QUEUE):
+            values = [getattr(failed, f.name) for f in dataclasses.fields(failed)]
+            values += [getattr(failed, name, None) for name in ("raw", "data")]
+            if failed.error:
+                with_reason |= garbage_numbers(values)
+    except Exception as exc:
+        api = f"raised {type(exc).__name__}: {exc}"[:300]
+    # A fleet that cannot take a garbage task off its queue may keep moving it between
+    # the queue and new processes: several looks, so that a move cannot hide one.
+    queued: set[int] = set()
+    in_process: set[int] = set()
+    for _ in range(5):
+        queued |= garbage_numbers(await braw.lrange(KEYS.tasks(QUEUE), 0, -1))
+        async for name in braw.scan_iter(KEYS.process(QUEUE, "*"), count=1000):
+            in_process |= garbage_numbers(await braw.lrange(name, 0, -1))
+        await anyio.sleep(0.2)
+    return {
+        "with reason": with_reason,
+        "without reason": without_reason - with_reason,
+        "queued": queued,
+        "in process": in_process,
+        "get_failed": api,
+    }
+
+
+def about_garbage(problem: object) -> bool:
+    """Whether a check() finding concerns the garbage (its queues or fake workers)."""
+    text = repr(problem)
+    return any(name in text for name in (*GARBAGE_QUEUES, *GARBAGE_WORKERS))
+
+
+async def admin_reads(admin: Worqr) -> dict[str, str] | None:
+    """The admin reads that raised while the garbage is there: call -> its error."""
+    reads: dict[str, Callable[[], Awaitable[object]]] = {
+        "get_workers()": admin.get_workers,
+        "get_worker_info()": admin.get_worker_info,
+        "get_queues()": admin.get_queues,
+        "get_processes()": admin.get_processes,
+        f"statistics({QUEUE!r})": lambda: admin.statistics(QUEUE),
+        f"statistics({UNRELATED!r})": lambda: admin.statistics(UNRELATED),
+        f"get_failed({JUNK!r})": lambda: admin.get_failed(JUNK),
+        f"get_failed({UNRELATED!r})": lambda: admin.get_failed(UNRELATED),
+        f"get_tasks({UNRELATED!r})": lambda: admin.get_tasks(UNRELATED),
+    }
+    raised = {}
+    for name, read in reads.items():
+        try:
+            with anyio.fail_after(30):
+                await read()
+        except Exception as exc:
+            raised[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return raised or None
+
+
+async def inspect_garbage(braw: Redis, admin: Worqr, vandal: Vandal) -> dict[str, Any]:
+    """The hostile phase's rows about the garbage, read while it is still there."""
+    try:
+        with anyio.fail_after(60):
+            found: tuple[Any, ...] = (await admin.check()).problems
+        outcome = "ok"
+    except Exception as exc:
+        found, outcome = (), f"raised {type(exc).__name__}: {exc}"[:300]
+    garbage = [problem for problem in found if about_garbage(problem)]
+    others = [problem for problem in found if not about_garbage(problem)]
+    unnamed = [k for k, _ in wrong_typed_keys() if not any(k in repr(p) for p in garbage)]
+    where = await locate_garbage(braw, admin)
+    pushed = set(vandal.pushed)
+    seen = await braw.scard(GARBAGE_SEEN)
+    return {
+        "garbage rounds": vandal.rounds,
+        "wrong-typed keys (rewritten each round)": len(wrong_typed_keys()),
+        "malformed messages published": vandal.messages,
+        "junk failed records written": vandal.junk,
+        "garbage writer errors": len(vandal.errors),
+        "garbage tasks pushed": len(pushed),
+        "garbage tasks in the failed list with a reason": len(pushed & where["with reason"]),
+        "garbage tasks in the failed list without a reason": len(pushed & where["without reason"]),
+        "garbage tasks still queued": len(pushed & where["queued"]),
+        "garbage tasks in a process": len(pushed & where["in process"]),
+        "garbage tasks lost": len(
+            pushed
+            - where["with reason"]
+            - where["without reason"]
+            - where["queued"]
+            - where["in process"]
+        ),
+        "garbage tasks a handler was given": seen,
+        "check() on the garbage": outcome,
+        "check() findings about the garbage": dict(Counter(p.kind for p in garbage)) or None,
+        "wrong-typed keys check() did not name": unnamed or None,
+        "other check() findings then": dict(Counter(p.kind for p in others)) or None,
+        "get_failed() of the workload queue": where["get_failed"],
+        "admin reads that raised on the garbage": await admin_reads(admin),
+    }
+
+
+async def remove_garbage(braw: Redis, vandal: Vandal) -> int:
+    """Take the garbage away, so that the phases after this one and the final check()
+    see only what the fleet made; the garbage tasks' failed records stay. Returns how
+    many garbage tasks were still queued (taken out of the queue)."""
+    await braw.srem(KEYS.queues, *GARBAGE_QUEUES)
+    await braw.srem(KEYS.workers, *GARBAGE_WORKERS)
+    names = {name for name, _ in wrong_typed_keys()} | {KEYS.failed(JUNK)}
+    tags = [f"{{{name}}}" for name in (*GARBAGE_QUEUES, *GARBAGE_WORKERS)]
+    async for name in braw.scan_iter(f"{PREFIX}:*", count=1000):
+        text = name.decode(errors="replace")
+        if any(tag in text for tag in tags) or text.endswith(f":held:{DEAD_GHOST}"):
+            names.add(text)
+    await braw.delete(*names)
+    removed = 0
+    for task in vandal.pushed.values():
+        removed += await braw.execute_command("LREM", KEYS.tasks(QUEUE), 0, task)
+    return removed
+
+
+async def watch_reclaim(
+    raw: Redis, victim: str, killed_at: float, limit: float, reclaims: dict[str, float | None]
+) -> None:
+    """Time from a SIGKILL until a peer's supervision gave the victim's processes back
+    (None when not within ``limit``)."""
+    reclaims[victim] = None
+    with anyio.move_on_after(limit):
+        while True:
+            with contextlib.suppress(Exception):
+                if not await raw.exists(held_key(victim)):
+                    reclaims[victim] = time.monotonic() - killed_at
+                    return
+            await anyio.sleep(0.05)
+
+
+async def hostile_phase(fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger) -> None:
+    """Enqueue the hostile tasks while workers are SIGKILLed and the vandal writes
+    garbage, wait until they are done and the victims reclaimed, then record what
+    became of the garbage and take it away."""
+    settings = fleet.settings
+    faults = ledger.hostile
+    tasks = hostile_workload(settings)
+    vandal = Vandal(braw)
+    reclaims: dict[str, float | None] = {}
+    async with Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(vandal.run, settings.hostile_duration)
+            seconds = settings.hostile_duration * 0.8  # four batches a second
+            batch = max(1, min(settings.batch, round(len(tasks) / (seconds * 4))))
+            tg.start_soon(enqueue_paced, producer, tasks, batch, seconds)
+            end = time.monotonic() + settings.hostile_duration
+            while time.monotonic() < end:
+                await anyio.sleep(random.uniform(0.7, 1.3))
+                if fleet.workers:
+                    victim, killed_at, held = await kill(fleet, raw, faults, tg)
+                    limit = settings.hostile_reclaim_limit
+                    if held:
+                        tg.start_soon(watch_reclaim, raw, victim, killed_at, limit, reclaims)
+                    tg.start_soon(fleet.spawn)
+        # The garbage has stopped coming, the production too; the watchers are done.
+        await settled(raw, braw, dict.fromkeys(tasks, 1))
+        listed = set(cast("set[str]", await raw.smembers(KEYS.workers))) & faults.killed
+        async with Worqr.from_url(fleet.producer_url, prefix=PREFIX) as admin:
+            rows = await inspect_garbage(braw, admin, vandal)
+    times = sorted(seconds for seconds in reclaims.values() if seconds is not None)
+    ledger.rows["hostile"] = {
+        "SIGKILLed workers holding tasks": len(reclaims),
+        "their tasks back in time": len(times),
+        "hostile reclaim p50 (s)": round(statistics.median(times), 3) if times else None,
+        "hostile reclaim max (s)": round(times[-1], 3) if times else None,
+        "hostile reclaim limit (s)": settings.hostile_reclaim_limit,
+        "SIGKILLed workers still listed once drained": len(listed),
+        **rows,
+        "garbage tasks taken out of the queue afterwards": await remove_garbage(braw, vandal),
+    }
+
+
+# -- the frozen phase -------------------------------------------------------------------------
+
+
+@dataclass
+class DoneMonitor:
+    """A subscriber of the workload's ``done`` channel: which process ids finished
+    each frozen-phase task. Its connection has no timeout, so a frozen server only
+    delays its messages."""
+
+    url: str
+    finishes: dict[str, set[str]] = field(default_factory=dict)
+    messages: int = 0
+    unreadable: int = 0
+    interruptions: int = 0
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        client = Redis.from_url(self.url)
+        started = False
+        try:
+            while True:
+                pubsub = client.pubsub()
+                try:
+                    await pubsub.subscribe(KEYS.done(QUEUE))
+                    async for message in pubsub.listen():
+                        if message["type"] == "subscribe" and not started:
+                            started = True
+                            task_status.started()
+                        elif message["type"] == "message":
+                            self.note(message["data"])
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    self.interruptions += 1
+                    await anyio.sleep(0.1)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await pubsub.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+
+    def note(self, data: bytes) -> None:
+        self.messages += 1
+        try:
+            records = json.loads(data.removeprefix(b"done:"))
+        except ValueError:
+            self.unreadable += 1
+            return
+        for record in records if isinstance(records, list) else ():
+            if not isinstance(record, dict):
+                continue
+            task, process_id = record.get("task"), record.get("process_id")
+            if isinstance(task, str) and isinstance(process_id, str) and task.startswith("frozen-"):
+                self.finishes.setdefault(task, set()).add(process_id)
+
+
+async def freeze_server(server: EmbeddedServer, fleet: Fleet, raw: Redis, faults: Faults) -> None:
+    """SIGSTOP the server for 3-5 s (every worker's heartbeat expires meanwhile),
+    then SIGCONT it."""
+    pid = server.pid
+    if pid is None:
+        raise RuntimeError("the server is not running")
+    # Every task in process may run again, and so may every slot that dequeues at the
+    # thaw before its worker sees that its heartbeat expired.
+    faults.in_flight += await in_process(raw) + len(fleet.workers) * fleet.settings.concurrency
+    seconds = random.uniform(*FREEZE)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await anyio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    faults.freezes += 1
+    faults.frozen_for += seconds
+
+
+async def freeze_worker(fleet: Fleet, raw: Redis, faults: Faults) -> tuple[str, dict[str, Any]]:
+    """SIGSTOP the worker that holds the most processes for three worker timeouts,
+    timing how soon its peers take its processes over, then SIGCONT it; return its id
+    and its rows."""
+    settings = fleet.settings
+    workers = sorted(fleet.workers)
+    pipe = raw.pipeline(transaction=False)
+    for worker_id in workers:
+        pipe.scard(held_key(worker_id))
+    sizes = await pipe.execute()
+    held, stopped = max(zip(sizes, workers, strict=True))
+    child = fleet.workers[stopped]
+    faults.in_flight += held + settings.concurrency
+    child.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    faults.stalls += 1
+    faults.stopped.add(stopped)
+    taken_over = None
+    try:
+        while (now := time.monotonic()) < stopped_at + settings.timeout * 3:
+            if taken_over is None and held and not await raw.exists(held_key(stopped)):
+                taken_over = now - stopped_at
+            await anyio.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGCONT)
+    return stopped, {
+        "stopped worker's processes at SIGSTOP": held,
+        "stopped worker's processes taken over after (s)": None
+        if taken_over is None
+        else round(taken_over, 3),
+    }
+
+
+async def frozen_phase(
+    server: EmbeddedServer, fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger
+) -> None:
+    """Enqueue the frozen tasks in chunks; after each, freeze the server or a worker
+    while the fleet drains; wait until they are all done."""
+    settings = fleet.settings
+    faults = ledger.frozen
+    tasks = frozen_workload(settings)
+    steps = ["server"] * settings.freezes
+    steps.insert(min(1, len(steps)), "worker")
+    size = -(-len(tasks) // (len(steps) + 1))
+    chunks = [tasks[i : i + size] for i in range(0, len(tasks), size)]
+    rows: dict[str, Any] = {}
+    monitor = DoneMonitor(fleet.producer_url)
+    async with (
+        Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer,
+        anyio.create_task_group() as tg,
+    ):
+        await tg.start(monitor.run)
+        for number, chunk in enumerate(chunks):
+            await enqueue_paced(producer, chunk, settings.batch, 0)
+            if number == len(steps):
+                break
+            await anyio.sleep(random.uniform(0.1, 0.3))  # the fleet is draining
+            if steps[number] == "server":
+                await freeze_server(server, fleet, raw, faults)
+                await anyio.sleep(settings.reclaim_bound)
+            else:
+                fenced_before = await fenced_now(raw)
+                stopped, worker_rows = await freeze_worker(fleet, raw, faults)
+                rows.update(worker_rows)
+                await anyio.sleep(settings.reclaim_bound)
+                ledger.stop_fenced = {
+                    process_id
+                    for process_id in await fenced_now(raw) - fenced_before
+                    if process_id.startswith(f"{stopped}/")
+                }
+        await settled(raw, braw, dict.fromkeys(tasks, 1))
+        await anyio.sleep(0.5)  # the last done messages
+        tg.cancel_scope.cancel()
+    ledger.finishes = monitor.finishes
+    ledger.rows["frozen"] = {
+        "done messages read": monitor.messages,
+        "unreadable done messages": monitor.unreadable,
+        "done subscriber interruptions": monitor.interruptions,
+        **rows,
+    }
+
+
+# -- the accounting ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -577,9 +1208,12 @@ class Outcome:
     calm_duplicates: list[str]  # "task: process ids" of calm tasks that ran twice
 
 
-async def run(settings: Settings) -> Outcome:
+async def run(settings: Settings, keep_logs: str = "") -> Outcome:
     with contextlib.ExitStack() as stack:
-        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="worqr-chaos-")))
+        if keep_logs:
+            logs = Path(keep_logs)  # made by main()
+        else:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="worqr-chaos-")))
         server = stack.enter_context(EmbeddedServer(appendonly=True))
         proxy = (
             stack.enter_context(latency_proxy(server.port, settings, logs))
@@ -587,24 +1221,35 @@ async def run(settings: Settings) -> Outcome:
             else None
         )
         raw = Redis.from_url(server.url, decode_responses=True)
+        braw = Redis.from_url(server.url)  # bytes: garbage, and failed records
         fleet = Fleet(proxy.url if proxy else server.url, server.url, settings, logs)
         stack.callback(fleet.kill_all)
-        faults = Faults()
+        ledger = Ledger()
         started = time.monotonic()
         for _ in range(settings.workers):
             await fleet.spawn()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(sample_holdings, raw, fleet, faults)
-            calm_seconds = await calm_phase(fleet, raw)
-            calm_fenced = await raw.scard(FENCED)
-            calm_lag = await worst_lag(raw)
-            fault_seconds = await fault_phase(server, fleet, raw, faults)
+            tg.start_soon(sample_holdings, raw, fleet, ledger.faults)
+            for phase in settings.phases:
+                fenced_before = await fenced_now(raw)
+                began = time.monotonic()
+                if phase == "calm":
+                    await calm_phase(fleet, raw, braw)
+                    ledger.calm_lag = await worst_lag(raw)
+                elif phase == "fault":
+                    await fault_phase(server, fleet, raw, braw, ledger.faults)
+                elif phase == "hostile":
+                    await hostile_phase(fleet, raw, braw, ledger)
+                else:
+                    await frozen_phase(server, fleet, raw, braw, ledger)
+                ledger.seconds[phase] = time.monotonic() - began
+                ledger.fenced[phase] = await fenced_now(raw) - fenced_before
             tg.cancel_scope.cancel()
         async with Worqr.from_url(server.url, prefix=PREFIX) as admin:
             await converged(admin, fleet)
-            outcome = await account(raw, admin, fleet, faults, calm_fenced, calm_lag)
-        outcome.report["calm phase (s)"] = round(calm_seconds, 1)
-        outcome.report["fault phase (s)"] = round(fault_seconds, 1)
+            outcome = await account(raw, braw, admin, fleet, ledger)
+        for phase in settings.phases:
+            outcome.report[f"{phase} phase (s)"] = round(ledger.seconds[phase], 1)
         outcome.report["elapsed (s)"] = round(time.monotonic() - started, 1)
         if proxy is not None and proxy.child.poll() is not None:
             raise RuntimeError(f"the latency proxy died: see {logs / 'proxy.log'}")
@@ -614,11 +1259,12 @@ async def run(settings: Settings) -> Outcome:
             outcome.report["workers listed after shutdown"] = len(await admin.get_workers())
             outcome.report["check() findings after shutdown"] = len(after.problems)
         await raw.aclose()
+        await braw.aclose()
     return outcome
 
 
 def tally(
-    expected: dict[str, int], runs: dict[str, list[str]], failed: dict[str, int]
+    expected: dict[str, int], runs: dict[str, list[str]], failed: Counter[str]
 ) -> tuple[int, int, int]:
     """Completed executions, lost copies and duplicate executions of ``expected``."""
     completed = lost = duplicates = 0
@@ -631,62 +1277,152 @@ def tally(
     return completed, lost, duplicates
 
 
-async def account(
-    raw: Redis, admin: Worqr, fleet: Fleet, faults: Faults, calm_fenced: int, calm_lag: float
-) -> Outcome:
+def duplicate_kinds(
+    expected: dict[str, int],
+    runs: dict[str, list[str]],
+    failed: Counter[str],
+    fenced: set[str],
+    faults: Faults,
+) -> dict[str, int] | None:
+    """The duplicate executions of ``expected``, by the fault that explains them: a
+    lease fenced (a ``lost`` event for one of the executions), a holder SIGKILLed or
+    SIGSTOPped, else ``other`` (a connection killed, the server restarted, an enqueue
+    resent)."""
+    kinds: Counter[str] = Counter()
+    for task, copies in expected.items():
+        ids = runs.get(key(task), [])
+        extra = len(ids) + failed.get(key(task), 0) - copies
+        if extra <= 0:
+            continue
+        workers = {process_id.partition("/")[0] for process_id in ids}
+        if fenced.intersection(ids):
+            kinds["fenced lease"] += extra
+        elif workers & faults.killed:
+            kinds["SIGKILLed holder"] += extra
+        elif workers & faults.stopped:
+            kinds["SIGSTOPped holder"] += extra
+        else:
+            kinds["other"] += extra
+    return dict(kinds) or None
+
+
+async def account(raw: Redis, braw: Redis, admin: Worqr, fleet: Fleet, ledger: Ledger) -> Outcome:
     settings = fleet.settings
+    phases = settings.phases
     runs = await executions(raw)
-    failed_records = await failures(raw)
-    failed: dict[str, int] = {}
-    for record in failed_records:
-        failed[key(record["task"])] = failed.get(key(record["task"]), 0) + 1
-    calm = dict.fromkeys(calm_workload(settings), 1)
-    faulted = workload(settings)
-    calm_completed, calm_lost, calm_duplicates = tally(calm, runs, failed)
-    completed, lost, duplicates = tally(faulted, runs, failed)
-    twice = [
-        f"{task}: {', '.join(runs.get(key(task), []))}"
-        for task in calm
-        if len(runs.get(key(task), ())) + failed.get(key(task), 0) > 1
-    ]
-    # The blocking handler's worker is fenced with up to `concurrency` tasks in hand.
-    slept = settings.concurrency if await raw.exists(SLEPT) else 0
+    failed_records = await failures(braw)
+    failed = Counter(k for record in failed_records if (k := sha1_of(record)) is not None)
+    report: dict[str, Any] = {}
+    twice: list[str] = []
+    if "calm" in phases:
+        calm = dict.fromkeys(calm_workload(settings), 1)
+        calm_completed, calm_lost, calm_duplicates = tally(calm, runs, failed)
+        twice = [
+            f"{task}: {', '.join(runs.get(key(task), []))}"
+            for task in calm
+            if len(runs.get(key(task), ())) + failed.get(key(task), 0) > 1
+        ]
+        report |= {
+            "calm tasks": len(calm),
+            "calm completed": calm_completed,
+            "calm lost": calm_lost,
+            "calm duplicates": calm_duplicates,
+            "calm fenced leases (lost events)": len(ledger.fenced["calm"]),
+            "calm worst event-loop lag (s)": ledger.calm_lag,
+        }
+    if "fault" in phases:
+        faults = ledger.faults
+        faulted = workload(settings)
+        completed, lost, duplicates = tally(faulted, runs, failed)
+        # The blocking handler's worker is fenced with up to `concurrency` tasks in hand.
+        slept = settings.concurrency if await raw.exists(SLEPT) else 0
+        reclaim = sorted(faults.reclaim)
+        p99 = reclaim[min(len(reclaim) - 1, int(len(reclaim) * 0.99))] if reclaim else None
+        report |= {
+            "fault tasks enqueued": sum(faulted.values()),
+            "fault completed": completed,
+            "failed (poison)": sum(
+                (task_of(r) or "").startswith("poison-") for r in failed_records
+            ),
+            "quarantined": sum("quarantined" in str(r.get("error")) for r in failed_records),
+            "fault lost": lost,
+            "fault duplicates": duplicates,
+            "fault duplicates by kind": duplicate_kinds(
+                faulted, runs, failed, ledger.fenced["fault"], faults
+            ),
+            "fault duplicates bound (in flight at faults)": faults.in_flight + slept,
+            "SIGKILLs": faults.kills,
+            "CLIENT KILLs": faults.client_kills,
+            "SIGSTOPs": faults.stalls,
+            "server restarts": faults.restarts,
+            "reclaim p50 (s)": round(statistics.median(reclaim), 3) if reclaim else None,
+            "reclaim p99 (s)": round(p99, 3) if p99 is not None else None,
+            "reclaim max (s)": round(reclaim[-1], 3) if reclaim else None,
+            "reclaim bound (s)": settings.reclaim_bound,
+            "reclaim p99 within bound": "n/a"
+            if p99 is None
+            else _yes(p99 <= settings.reclaim_bound),
+            "reclaims across a server restart": len(faults.reclaim_across_restart),
+            "their max (s)": round(max(faults.reclaim_across_restart), 3)
+            if faults.reclaim_across_restart
+            else None,
+            "fault fenced leases (lost events)": len(ledger.fenced["fault"]),
+        }
+    if "frozen" in phases:
+        faults = ledger.frozen
+        frozen = dict.fromkeys(frozen_workload(settings), 1)
+        completed, lost, duplicates = tally(frozen, runs, failed)
+        fenced = ledger.fenced["frozen"]
+        late = [
+            process_id
+            for task in frozen
+            for process_id in runs.get(key(task), [])
+            if process_id in ledger.stop_fenced
+        ]
+        finished = {process_id for ids in ledger.finishes.values() for process_id in ids}
+        report |= {
+            "frozen tasks": len(frozen),
+            "frozen completed": completed,
+            "frozen lost": lost,
+            "frozen duplicates": duplicates,
+            "frozen duplicates by kind": duplicate_kinds(frozen, runs, failed, fenced, faults),
+            "frozen duplicates bound (in flight at freezes)": faults.in_flight,
+            "server freezes": faults.freezes,
+            "server frozen (s)": round(faults.frozen_for, 1),
+            "worker SIGSTOPs": faults.stalls,
+            "frozen fenced leases (lost events)": len(fenced),
+            "stopped worker's leases reported lost after SIGCONT": len(ledger.stop_fenced),
+            "their handlers that ran to their end anyway": len(late),
+            "their finishes that landed": len(ledger.stop_fenced & finished),
+            "fenced leases whose finish still landed": len(fenced & finished),
+            "tasks finished": len(ledger.finishes),
+            "tasks finished twice": sum(len(ids) > 1 for ids in ledger.finishes.values()),
+            **ledger.rows["frozen"],
+        }
+    if "hostile" in phases:
+        faults = ledger.hostile
+        hostile = dict.fromkeys(hostile_workload(settings), 1)
+        completed, lost, duplicates = tally(hostile, runs, failed)
+        report |= {
+            "hostile tasks enqueued": len(hostile),
+            "hostile completed": completed,
+            "hostile lost": lost,
+            "hostile duplicates": duplicates,
+            "hostile duplicates by kind": duplicate_kinds(
+                hostile, runs, failed, ledger.fenced["hostile"], faults
+            ),
+            "hostile duplicates bound (in flight at kills)": faults.in_flight,
+            "hostile SIGKILLs": faults.kills,
+            "hostile fenced leases (lost events)": len(ledger.fenced["hostile"]),
+            **ledger.rows["hostile"],
+        }
     problems = (await admin.check()).problems
     workers = set(await admin.get_workers())
-    reclaim = sorted(faults.reclaim)
-    p99 = reclaim[min(len(reclaim) - 1, int(len(reclaim) * 0.99))] if reclaim else None
-    report = {
-        "calm tasks": len(calm),
-        "calm completed": calm_completed,
-        "calm lost": calm_lost,
-        "calm duplicates": calm_duplicates,
-        "calm fenced leases (lost events)": calm_fenced,
-        "calm worst event-loop lag (s)": calm_lag,
-        "fault tasks enqueued": sum(faulted.values()),
-        "fault completed": completed,
-        "failed (poison)": sum(1 for r in failed_records if r["task"].startswith("poison-")),
-        "quarantined": sum("quarantined" in r["error"] for r in failed_records),
-        "fault lost": lost,
-        "fault duplicates": duplicates,
-        "fault duplicates bound (in flight at faults)": faults.in_flight + slept,
-        "SIGKILLs": faults.kills,
-        "CLIENT KILLs": faults.client_kills,
-        "SIGSTOPs": faults.stalls,
-        "server restarts": faults.restarts,
-        "most processes one worker held": faults.most_held,
-        "reclaim p50 (s)": round(statistics.median(reclaim), 3) if reclaim else None,
-        "reclaim p99 (s)": round(p99, 3) if p99 is not None else None,
-        "reclaim max (s)": round(reclaim[-1], 3) if reclaim else None,
-        "reclaim bound (s)": settings.reclaim_bound,
-        "reclaim p99 within bound": "n/a" if p99 is None else _yes(p99 <= settings.reclaim_bound),
-        "reclaims across a server restart": len(faults.reclaim_across_restart),
-        "their max (s)": round(max(faults.reclaim_across_restart), 3)
-        if faults.reclaim_across_restart
-        else None,
+    report |= {
+        "most processes one worker held": ledger.faults.most_held,
         "orphaned keys": len(problems),
         "their kinds": dict(Counter(problem.kind for problem in problems)) or None,
         "dead workers listed": len(workers - set(fleet.workers)),
-        "fault fenced leases (lost events)": await raw.scard(FENCED) - calm_fenced,
     }
     return Outcome(report, twice)
 
@@ -704,9 +1440,15 @@ def title(settings: Settings) -> str:
             " each way to the workers)"
         )
     low, high = (seconds * 1000 for seconds in settings.handler)
+    phases = {
+        "calm": f"{settings.calm_tasks:,} calm tasks",
+        "fault": f"{settings.tasks:,} under faults",
+        "hostile": f"{settings.hostile_tasks:,} among garbage",
+        "frozen": f"{settings.frozen_tasks:,} through {settings.freezes} server freezes",
+    }
     return (
-        f"Chaos run, {mode}: {settings.calm_tasks:,} calm tasks, then {settings.tasks:,} "
-        f"under faults; {settings.workers} workers x {settings.concurrency:,}, "
+        f"Chaos run, {mode}: {', then '.join(phases[p] for p in settings.phases)}; "
+        f"{settings.workers} workers x {settings.concurrency:,}, "
         f"{settings.producers} producers in batches of {settings.batch:,}, handlers "
         f"{low:g}-{high:g} ms, heartbeat {settings.heartbeat} s, timeout "
         f"{settings.timeout} s, cleanup {settings.cleanup} s"
@@ -719,16 +1461,39 @@ def table(report: dict[str, Any], settings: Settings) -> str:
     return "\n".join(lines)
 
 
+BOUNDS = {
+    "fault": "fault duplicates bound (in flight at faults)",
+    "hostile": "hostile duplicates bound (in flight at kills)",
+    "frozen": "frozen duplicates bound (in flight at freezes)",
+}
+
+
 def verdict(report: dict[str, Any]) -> list[str]:
     """Why the run failed, if it did: counts only, never a duration."""
     problems = []
-    for phase in ("calm", "fault"):
-        if report[f"{phase} lost"]:
+    for phase in PHASES:
+        if report.get(f"{phase} lost"):
             problems.append(f"{report[f'{phase} lost']} task(s) lost in the {phase} phase")
-    if report["calm duplicates"]:
+    if report.get("calm duplicates"):
         problems.append(f"{report['calm duplicates']} duplicate execution(s) with no fault")
-    if report["fault duplicates"] > report["fault duplicates bound (in flight at faults)"]:
-        problems.append("more duplicate executions than tasks in flight at the faults")
+    for phase, bound in BOUNDS.items():
+        if bound in report and report[f"{phase} duplicates"] > report[bound]:
+            problems.append(f"more duplicate executions than tasks in flight ({phase} phase)")
+    if report.get("tasks finished twice"):
+        problems.append(f"{report['tasks finished twice']} task(s) finished twice")
+    if "garbage tasks pushed" in report:
+        missing = (
+            report["garbage tasks pushed"]
+            - report["garbage tasks in the failed list with a reason"]
+        )
+        if missing:
+            problems.append(f"{missing} garbage task(s) not in the failed list with a reason")
+        if report["garbage tasks a handler was given"]:
+            problems.append("a handler was given a garbage task")
+        if report["their tasks back in time"] < report["SIGKILLed workers holding tasks"]:
+            problems.append("SIGKILLed worker(s) not reclaimed in time among the garbage")
+        if report["check() on the garbage"] != "ok":
+            problems.append(f"check() on the garbage {report['check() on the garbage']}")
     if report["orphaned keys"] or report["check() findings after shutdown"]:
         problems.append("orphaned keys left")
     if report["dead workers listed"] or report["workers listed after shutdown"]:
@@ -746,7 +1511,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
         "--quick",
         action="store_true",
         help="a scaled-down run of about a minute: 5,000 tasks, --duration 30 "
-        "(2,000 tasks and 20 with --proxy; 10,000 and 20 with --high-concurrency)",
+        "(2,000 tasks and 20 with --proxy; 10,000 and 20 with --high-concurrency), "
+        "--freezes 3",
     )
     parser.add_argument(
         "--proxy",
@@ -770,7 +1536,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
         "and worqr's own timing (heartbeat 1 s, timeout 3 s, cleanup 0.5 s): on a busy "
         "machine a loop running thousands of handlers can lag past 1 s and be fenced",
     )
-    parser.add_argument("--tasks", type=int, help="fault-phase tasks (default 50,000)")
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        help="fault-phase tasks (default 50,000); the hostile and frozen phases run a fifth "
+        "as many each",
+    )
     parser.add_argument("--calm-tasks", type=int, help="calm-phase tasks (default tasks / 5)")
     parser.add_argument("--workers", type=int, help="worker processes (default 8)")
     parser.add_argument("--producers", type=int, default=2)
@@ -789,7 +1560,23 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--heartbeat", type=float, help="seconds (default 0.2)")
     parser.add_argument("--timeout", type=float, help="worker timeout, seconds (default 1)")
     parser.add_argument("--cleanup", type=float, help="cleanup interval, seconds (default 0.25)")
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        metavar="LIST",
+        help=f"the phases to run, comma-separated, in this order: {','.join(PHASES)} "
+        "(default: all)",
+    )
+    parser.add_argument(
+        "--freezes", type=int, help="frozen phase: server SIGSTOPs (default 6; 3 with --quick)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON too")
+    parser.add_argument(
+        "--logs",
+        default="",
+        metavar="DIR",
+        help="keep the workers' and the proxy's logs in DIR (default: a temp dir, removed)",
+    )
     internal = argparse.SUPPRESS  # how the orchestrator starts its child processes
     parser.add_argument(
         "--role", choices=["run", "worker", "producer"], default="run", help=internal
@@ -797,6 +1584,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--part", type=int, default=0, help=internal)
     parser.add_argument("--url", default="", help=internal)
     args = parser.parse_args(argv)
+    phases = [phase.strip() for phase in args.phases.split(",") if phase.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown or not phases:
+        parser.error(f"--phases: choose among {', '.join(PHASES)}, got {args.phases!r}")
     many = args.high_concurrency
     low, high = args.handler or ((0.1, 0.5) if many else (0.005, 0.05))
     if args.quick:
@@ -821,6 +1612,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
         delay=args.delay / 1000,
         jitter=args.jitter / 1000,
         high_concurrency=many,
+        phases=tuple(phase for phase in PHASES if phase in phases),
+        freezes=args.freezes or (3 if args.quick else 6),
     )
     return args, settings
 
@@ -833,7 +1626,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "producer":
         anyio.run(producer_main, args.url, settings, args.part)
         return 0
-    outcome = anyio.run(run, settings)
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    outcome = anyio.run(run, settings, args.logs)
     print(table(outcome.report, settings))
     if args.json:
         print(json.dumps(outcome.report))

@@ -64,7 +64,8 @@ async def client(
         redis = Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True)
     elif backend == "cluster":
         url = request.getfixturevalue("cluster_url")
-        redis = RedisCluster.from_url(url, decode_responses=True)
+        # As docs say for a RedisCluster one makes: tasks that are not UTF-8 stay readable.
+        redis = RedisCluster.from_url(url, decode_responses=True, encoding_errors="surrogateescape")
     else:
         redis = fakeredis.FakeAsyncRedis(server=fake_server, decode_responses=True)
     yield redis

@@ -40,6 +40,10 @@ async def raw_keys(redis: Redis, prefix: str) -> dict[str, Any]:
             state[key] = await redis.lrange(key, 0, -1)
         elif kind == "set":
             state[key] = sorted(await redis.smembers(key))
+        elif kind == "zset":
+            state[key] = await redis.zrange(key, 0, -1)
+        elif kind == "hash":
+            state[key] = await redis.hgetall(key)
         else:
             state[key] = await redis.get(key)
     return state

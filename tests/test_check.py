@@ -60,7 +60,7 @@ async def test_malformed_process_list_keeps_its_first_task_and_returns_the_rest_
     pid = f"w1/{ID}/jobs"
     await client.rpush(f"{prefix}:q:{{jobs}}:p:{pid}", "a", "b")
     await client.sadd(f"{prefix}:q:{{jobs}}:held:w1", pid)
-    await client.set(f"{prefix}:w:{{w1}}:alive", "1")
+    await client.set(f"{prefix}:w:{{w1}}:alive", "1", px=60_000)
     await client.sadd(f"{prefix}:workers", "w1")
     await client.sadd(f"{prefix}:queues", "jobs")
     await client.rpush(f"{prefix}:q:{{jobs}}:p:{pid}", "c")

@@ -1,15 +1,24 @@
-"""Events: listeners (plain and coroutine), every event type, failing listeners."""
+"""Events: listeners (plain and coroutine), every event type, failing listeners, hostile
+messages, and the state a peer keeps per queue."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import uuid
+from collections import deque
 
 import pytest
+from redis.asyncio import Redis
 
 from worqr import Worqr
+from worqr._embedded import EmbeddedServer
+from worqr._keys import Keys
+from worqr._ops import DONE_FIELD_LIMIT, done_messages, done_record
 
-from .helpers import Factory, eventually
+from .helpers import FAST, Factory, eventually
 
 
 async def test_sync_and_async_listeners_receive_events(make: Factory) -> None:
@@ -114,3 +123,92 @@ async def test_lost_event_for_each_held_process(make: Factory) -> None:
 
 async def _registered(peer: Worqr, worker: Worqr) -> bool:
     return worker.worker_id in await peer.get_workers()
+
+
+# -- what a channel may carry, and what a peer keeps ---------------------------------------
+
+GAVE_UP = "event subscriber lost its connection"
+
+
+async def test_a_deeply_nested_done_message_is_skipped_without_a_reconnect(
+    real_make: Factory, real_client: Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``done`` message nested deeper than the JSON parser recurses is skipped like
+    any malformed message: the subscriber stays connected and hears what follows."""
+    watcher = real_make()
+    heard: list[tuple[str, str]] = []
+    await watcher.on("jobs", lambda kind, message: heard.append((kind, message)))
+    keys = Keys(prefix)
+    with caplog.at_level(logging.INFO, logger="worqr"):
+        for opening in ("[", '{"a":'):
+            assert await real_client.publish(keys.done("jobs"), "done:" + opening * 100_000)
+        await real_client.publish(keys.events("jobs"), "cancel:after")
+        await eventually(lambda: heard == [("cancel", "after")])
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages.count("skipped a malformed done message") == 2
+    assert not any(GAVE_UP in message for message in messages)
+
+
+async def test_a_done_event_of_a_task_over_32_mb_disconnects_no_listener(
+    server: EmbeddedServer, raw: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    limit = await raw.config_get("client-output-buffer-limit")
+    assert "pubsub 33554432 8388608 60" in limit["client-output-buffer-limit"]
+    prefix = f"big{uuid.uuid4().hex[:8]}"
+    heard: list[tuple[str, str]] = []
+    async with (
+        Worqr.from_url(server.url, prefix=prefix, **FAST) as watcher,
+        Worqr.from_url(server.url, prefix=prefix, **FAST) as worker,
+    ):
+        await watcher.on("jobs", lambda kind, message: heard.append((kind, message)))
+        await worker.start_worker()
+        await worker.start_work("jobs")
+        await worker.enqueue("jobs", "x" * (33 << 20))
+        process = await worker.dequeue("jobs")
+        assert process is not None
+        with caplog.at_level(logging.INFO, logger="worqr"):
+            assert await worker.finish_process(process)
+            await raw.publish(Keys(prefix).events("jobs"), "cancel:right-after")
+            with contextlib.suppress(TimeoutError):
+                await eventually(lambda: ("cancel", "right-after") in heard, within=5)
+        kinds = [kind for kind, _ in heard]
+        assert not any(GAVE_UP in record.getMessage() for record in caplog.records)
+        assert kinds == ["work", "done", "cancel"]
+        record = json.loads(heard[1][1])
+        assert record["process_id"] == process.id and record["truncated"] is True
+        assert record["task"] == "x" * DONE_FIELD_LIMIT
+
+
+async def test_per_queue_state_is_dropped_with_the_last_listener_or_pin(real_make: Factory) -> None:
+    """A peer that listens to, or works on, many short-lived queues keeps nothing of
+    a queue once nothing wants it any more."""
+    peer = real_make()
+
+    def listener(kind: str, message: str) -> None:
+        return None
+
+    queues = [f"transient-{number}" for number in range(10_000)]
+    for first in range(0, len(queues), 1_000):
+        batch = queues[first : first + 1_000]
+        await asyncio.gather(*(peer.on(queue, listener) for queue in batch))
+        await asyncio.gather(*(peer.off(queue, listener) for queue in batch))
+    await peer.start_worker()
+    for queue in queues[:20]:
+        await peer.start_work(queue)
+        await peer.stop_work(queue)
+    events = peer._events
+    await eventually(lambda: not events._confirmed)
+    kept = {
+        name: len(value)
+        for name, value in vars(events).items()
+        if isinstance(value, dict | set | list | deque) and value
+    }
+    assert kept == {}
+
+
+def test_done_records_of_a_big_batch_are_split_into_messages_of_about_a_megabyte() -> None:
+    records = [done_record(f"p{i}", "w", "t" * 300_000, None) for i in range(40)]
+    messages = done_messages(records)
+    assert len(messages) > 1 and all(len(m) < (1 << 20) + 70_000 for m in messages)
+    parsed = [item for m in messages for item in json.loads(m.removeprefix("done:"))]
+    assert [item["process_id"] for item in parsed] == [f"p{i}" for i in range(40)]

@@ -12,7 +12,10 @@ may be lost: an enqueue returns only once a replica has its tasks.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
+import random
 import signal
 import time
 import uuid
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from worqr import Process, ReplicationError, Worqr, WorqrError
 from worqr._deployments import EmbeddedCluster, EmbeddedSentinel
@@ -241,3 +245,135 @@ async def test_an_unreplicated_enqueue_is_what_a_failover_loses_and_wait_replica
             # The promoted replica never got the last two pushes: one was acknowledged
             # by a producer that did not ask for WAIT, the other raised.
             await eventually(promoted_answers, within=20)
+
+
+# -- a Sentinel failover of a live master, mid-drain ---------------------------------------
+
+DRAIN_TASKS = 3000
+DRAIN_PEERS = 2
+DRAIN_CONCURRENCY = 16  # a dequeue takes up to this many tasks; finishes are group-committed
+UNKNOWN_OUTCOME = "may or may not have been applied"  # how worqr reports a lost reply
+NEW_MASTER = "the Sentinels name a new master"  # how a pool reports that it followed one
+
+
+@dataclass
+class Timeline:
+    """What the handlers ran and what the peers reported, each with when it happened."""
+
+    ended: list[tuple[float, str]] = field(default_factory=list)  # (when, task) per execution
+    reports: list[tuple[float, str]] = field(default_factory=list)  # (when, message)
+    failovers: list[float] = field(default_factory=list)  # when SENTINEL FAILOVER was sent
+
+    def reported(self, text: str, since: float = 0.0, until: float = float("inf")) -> list[float]:
+        return [at for at, message in self.reports if text in message and since <= at <= until]
+
+
+class _Recorder(logging.Handler):
+    def __init__(self, timeline: Timeline) -> None:
+        super().__init__(logging.WARNING)
+        self._timeline = timeline
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._timeline.reports.append((time.monotonic(), record.getMessage()))
+
+
+async def _sentinel_failover(deployment: EmbeddedSentinel, sentinel: int) -> EmbeddedServer:
+    """``SENTINEL FAILOVER`` through one Sentinel (retried while the Sentinels find no
+    replica fit to promote yet); wait until the new master serves and the old one,
+    which keeps running, has been turned into its replica and caught up."""
+    old = deployment.master
+    _, port = deployment.sentinels[sentinel % len(deployment.sentinels)]
+    async with Redis(port=port, decode_responses=True) as client:
+        with anyio.fail_after(30):
+            while True:
+                try:
+                    await client.execute_command("SENTINEL", "FAILOVER", deployment.service)
+                    break
+                except ResponseError as exc:  # NOGOODSLAVE, INPROG: not yet
+                    if "NOGOODSLAVE" not in str(exc) and "INPROG" not in str(exc):
+                        raise
+                    await anyio.sleep(0.2)
+    new = await anyio.to_thread.run_sync(deployment.wait_for_failover, old, 30.0)
+
+    async def old_follows() -> bool:
+        async with Redis(port=old.port, decode_responses=True) as client:
+            replication = await client.info("replication")
+        return replication.get("role") == "slave" and replication.get("master_port") == new.port
+
+    await eventually(old_follows, within=40)  # Sentinel converts it some 10 s later
+    return new
+
+
+@pytest.mark.slow
+async def test_sentinel_failover_of_a_live_master_mid_drain_loses_nothing() -> None:
+    """``SENTINEL FAILOVER`` twice while two peers drain a queue with batched dequeues
+    (up to 16 tasks a transaction) and group-committed finishes. The old master keeps
+    running and accepting writes until the Sentinels reconfigure it, some ten seconds
+    later, and then throws away what it took since the promotion.
+
+    No task may be lost or quarantined and every one must end. A task may run twice
+    only if its dequeue or finish went to the old master after the promotion (it
+    ended between the failover and the moment its peer's pools followed the new
+    master, and reported so, or was in a handler then), or after a reported unknown
+    outcome.
+    """
+    timeline = Timeline()
+    recorder = _Recorder(timeline)
+    logging.getLogger("worqr").addHandler(recorder)
+    prefix = f"fo{uuid.uuid4().hex[:8]}"
+    tasks = [f"task-{n}" for n in range(DRAIN_TASKS)]
+
+    async def handler(process: Process) -> None:
+        await anyio.sleep(random.uniform(0.1, 0.4))
+        timeline.ended.append((time.monotonic(), process.task))
+
+    try:
+        with EmbeddedSentinel() as deployment:
+            url = deployment.url
+            async with Worqr.from_url(url, prefix=prefix, wait_replicas=1, **PEER) as producer:
+                for first in range(0, DRAIN_TASKS, 500):  # every task is on the replica
+                    await producer.enqueue("jobs", tasks[first : first + 500])
+                peers = [Worqr.from_url(url, prefix=prefix, **PEER) for _ in range(DRAIN_PEERS)]
+                async with contextlib.AsyncExitStack() as stack:
+                    for peer in peers:
+                        await stack.enter_async_context(peer)
+                    tg = await stack.enter_async_context(anyio.create_task_group())
+                    for peer in peers:
+                        consume = functools.partial(peer.consume, concurrency=DRAIN_CONCURRENCY)
+                        tg.start_soon(consume, "jobs", handler)
+                    for number, share in enumerate((10, 2)):  # at a tenth, then at half
+                        await eventually(
+                            lambda s=share: len(timeline.ended) >= DRAIN_TASKS // s, 60
+                        )
+                        timeline.failovers.append(time.monotonic())
+                        await _sentinel_failover(deployment, number)
+                    with contextlib.suppress(TimeoutError):  # what is missing is reported below
+                        await eventually(
+                            lambda: len({t for _, t in timeline.ended}) == DRAIN_TASKS, 60
+                        )
+                    await anyio.sleep(1.0)  # late duplicates show
+                    tg.cancel_scope.cancel()
+                executions = Counter(task for _, task in timeline.ended)
+                duplicates = sum(count - 1 for count in executions.values())
+                unknown = len(timeline.reported(UNKNOWN_OUTCOME))
+                bound = unknown
+                for at in timeline.failovers:
+                    switched = timeline.reported(NEW_MASTER, since=at)
+                    until = max(s for s in switched if s - at < 30) if switched else at
+                    bound += sum(at <= ended <= until for ended, _ in timeline.ended)
+                    bound += DRAIN_PEERS * DRAIN_CONCURRENCY  # in a handler at the switch
+                print(
+                    f"executed {len(executions)} of {DRAIN_TASKS} tasks, duplicates {duplicates},"
+                    f" bound {bound}, unknown outcomes {unknown}, master switches reported"
+                    f" {len(timeline.reported(NEW_MASTER))}, leases lost"
+                    f" {len(timeline.reported('lost its leases'))}, strays returned"
+                    f" {len(timeline.reported('stray'))}"
+                )
+                assert set(executions) == set(tasks), "lost"
+                assert await producer.count_queue("jobs") == 0
+                assert await producer.get_processes("jobs") == []
+                assert await producer.get_failed("jobs") == []  # none quarantined
+                assert (await producer.check()).problems == ()
+                assert duplicates <= bound
+    finally:
+        logging.getLogger("worqr").removeHandler(recorder)

@@ -41,6 +41,7 @@ WORQR_COMMANDS = (
     "rpush", "lmove", "lrem", "lrange", "lindex", "llen", "ltrim",
     "hmget", "hincrby", "hdel", "del", "exists", "set", "get",
     "watch", "unwatch", "multi", "exec", "publish", "subscribe", "unsubscribe",
+    "type", "pttl", "zadd", "zremrangebyscore", "zscore", "zmscore",
 )  # fmt: skip
 """Every command worqr sends as its ACL user, each one needed: the rule in
 docs/security.md lists the same. (HELLO and AUTH run before authentication.)"""

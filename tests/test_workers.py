@@ -201,7 +201,8 @@ async def test_supervision_scans_once_per_interval_not_once_per_worker(
 
     before = await scans()
     await anyio.sleep(1.0)
-    per_scan = 2  # SMEMBERS workers, SMEMBERS queues (no queues here)
+    # SMEMBERS workers, SMEMBERS queues (no queues here), SMEMBERS w:queues per worker
+    per_scan = 2 + len(workers)
     intervals = 1.0 / 0.1
     observed = (await scans() - before) / per_scan
     assert observed <= 2 * intervals, f"{observed} scans in {intervals} intervals"

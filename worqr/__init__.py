@@ -6,6 +6,7 @@ from ._errors import AuthenticationFailedError as AuthenticationFailedError
 from ._errors import BackendError as BackendError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ClosedError as ClosedError
+from ._errors import CorruptDataError as CorruptDataError
 from ._errors import DuplicateTaskError as DuplicateTaskError
 from ._errors import InvalidProcessIdError as InvalidProcessIdError
 from ._errors import InvalidQueueNameError as InvalidQueueNameError
@@ -34,6 +35,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckReport",
     "ClosedError",
+    "CorruptDataError",
     "DuplicateTaskError",
     "FailedTask",
     "InvalidProcessIdError",

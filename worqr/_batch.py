@@ -33,6 +33,11 @@ class GroupCommit(Generic[_Item, _Result]):
         self._pending: list[tuple[_Item, asyncio.Future[_Result]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
+    @property
+    def idle(self) -> bool:
+        """True when nothing is queued or being written (the owner may drop it)."""
+        return not self._pending and self._flusher is None
+
     async def submit(self, item: _Item) -> _Result:
         """Queue ``item`` for the next batch and wait for its result."""
         future: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import anyio
 
-from ._errors import redis_boundary
-from ._keys import Keys
+from ._errors import InvalidProcessIdError, is_wrong_type, redis_boundary
+from ._keys import TYPES, Keys
 from ._names import parse_process_id
-from ._ops import Client, text
+from ._ops import Client, Command, members, reads, text
 
 _SECOND_LOOK = 0.1  # seconds before a dangling id is confirmed
 
@@ -30,12 +30,16 @@ class Problem:
 
     kind: str
     """``orphan-process``, ``malformed-process``, ``dangling-process-id``,
-    ``dead-worker``, ``stale-holder``, ``stale-work-list``, ``unregistered-worker`` or
-    ``unregistered-queue``."""
+    ``dead-worker``, ``stale-holder``, ``stale-work-list``, ``unregistered-worker``,
+    ``unregistered-queue``, ``wrong-type`` (a key that is not of the type worqr's
+    layout gives it, written by some other client) or ``no-expiry`` (a heartbeat or
+    the supervision lease without its expiry, which would never end)."""
     detail: str
     queue: str | None = None
     worker_id: str | None = None
     process_id: str | None = None
+    key: str | None = None
+    """The key in question, for ``wrong-type`` and ``no-expiry``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,9 @@ class CheckReport:
 
     problems: tuple[Problem, ...]
     repaired: bool
+    """True when ``check(repair=True)`` made this report: each problem was repaired
+    (every repair re-checks its finding first, so one that had resolved itself is
+    left as it is)."""
 
     @property
     def ok(self) -> bool:
@@ -63,59 +70,67 @@ class _State:
     holders: dict[str, set[str]]  # queue -> workers
     work_lists: set[str]  # workers with a w:queues key
     queues_with_tasks: set[str]
+    wrong: list[tuple[str, str, str]]  # (key, found type, layout type)
+    endless: list[str]  # heartbeats and the lease without expiry
 
 
 @redis_boundary
 async def _read(r: Client, keys: Keys) -> _State:
-    process_keys: list[tuple[str, str]] = []
-    held_keys: list[tuple[str, str]] = []
-    holder_queues: list[str] = []
-    task_queues: list[str] = []
-    workers_seen: set[str] = set()
-    work_lists: set[str] = set()
+    """One SCAN, the type of every key met, and the reads of the well-typed ones (a
+    key of the wrong type is a finding of its own and is read as empty)."""
+    parsed: list[tuple[str, str, str, str]] = []  # (key, kind, owner, rest)
     async for raw in r.scan_iter(match=keys.everything, count=1000):  # every primary's
-        parsed = keys.parse(text(raw))
-        if parsed is None:
-            continue
-        kind, owner, rest = parsed
-        if kind == "p":
-            process_keys.append((owner, rest))
-        elif kind == "held":
-            held_keys.append((owner, rest))
-        elif kind == "holders":
-            holder_queues.append(owner)
-        elif kind == "tasks":
-            task_queues.append(owner)
-        elif kind in ("alive", "queues"):
-            workers_seen.add(owner)
-            if kind == "queues":
-                work_lists.add(owner)
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SMEMBERS", keys.workers)
-        pipe.execute_command("SMEMBERS", keys.queues)
-        for queue, pid in process_keys:
-            pipe.execute_command("LLEN", keys.process(queue, pid))
-        for queue, worker_id in held_keys:
-            pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
-        for queue in holder_queues:
-            pipe.execute_command("SMEMBERS", keys.holders(queue))
-        replies = await pipe.execute()
-    workers = {text(w) for w in replies[0]}
-    queues = {text(q) for q in replies[1]}
-    at = 2
+        key = text(raw)
+        found = keys.parse(key)
+        if found is not None:
+            parsed.append((key, *found))
+    registries = {key: keys.type_of(key) or "" for key in keys.registries}
+    types = await reads(
+        r, [("TYPE", key) for key in registries] + [("TYPE", key) for key, *_ in parsed]
+    )
+    wrong = [
+        (key, text(found), expected)
+        for (key, expected), found in zip(registries.items(), types, strict=False)
+        if text(found) not in (expected, "none")
+    ]
+    good: list[tuple[str, str, str, str]] = []
+    for (key, kind, owner, rest), found in zip(parsed, types[len(registries) :], strict=True):
+        if text(found) in (TYPES[kind], "none"):  # none: deleted since the SCAN
+            good.append((key, kind, owner, rest))
+        else:
+            wrong.append((key, text(found), TYPES[kind]))
+    process_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "p"]
+    held_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "held"]
+    holder_queues = [owner for _, kind, owner, _ in good if kind == "holders"]
+    task_queues = {owner for _, kind, owner, _ in good if kind == "tasks"}
+    workers_seen = {owner for _, kind, owner, _ in good if kind in ("alive", "queues")}
+    work_lists = {owner for _, kind, owner, _ in good if kind == "queues"}
+    replies = await reads(
+        r,
+        [
+            ("SMEMBERS", keys.workers),
+            ("SMEMBERS", keys.queues),
+            ("PTTL", keys.supervision_lease),
+            *(("LLEN", keys.process(queue, pid)) for queue, pid in process_keys),
+            *(("SMEMBERS", keys.held(queue, worker_id)) for queue, worker_id in held_keys),
+            *(("SMEMBERS", keys.holders(queue)) for queue in holder_queues),
+        ],
+    )
+    workers, queues = set(members(replies[0])), set(members(replies[1]))
+    endless = [keys.supervision_lease] if replies[2] == -1 else []
+    at = 3
     lengths = {
-        key: int(n)
+        key: int(n) if isinstance(n, int) else 0
         for key, n in zip(process_keys, replies[at : at + len(process_keys)], strict=True)
     }
     at += len(process_keys)
     held = {
-        key: {text(pid) for pid in members}
-        for key, members in zip(held_keys, replies[at : at + len(held_keys)], strict=True)
+        key: set(members(reply))
+        for key, reply in zip(held_keys, replies[at : at + len(held_keys)], strict=True)
     }
     at += len(held_keys)
     holders = {
-        queue: {text(w) for w in members}
-        for queue, members in zip(holder_queues, replies[at:], strict=True)
+        queue: set(members(reply)) for queue, reply in zip(holder_queues, replies[at:], strict=True)
     }
     everyone = sorted(
         workers
@@ -123,12 +138,20 @@ async def _read(r: Client, keys: Keys) -> _State:
         | {w for _, w in held_keys}
         | {w for ws in holders.values() for w in ws}
     )
-    async with r.pipeline(transaction=False) as pipe:
-        for worker_id in everyone:
-            pipe.execute_command("EXISTS", keys.heartbeat(worker_id))
-        flags = await pipe.execute()
-    alive = {w for w, flag in zip(everyone, flags, strict=True) if flag}
-    return _State(workers, queues, alive, lengths, held, holders, work_lists, set(task_queues))
+    ttls = await reads(r, [("PTTL", keys.heartbeat(worker_id)) for worker_id in everyone])
+    alive = {w for w, ttl in zip(everyone, ttls, strict=True) if ttl != -2}
+    endless += [keys.heartbeat(w) for w, ttl in zip(everyone, ttls, strict=True) if ttl == -1]
+    return _State(
+        workers, queues, alive, lengths, held, holders, work_lists, task_queues, wrong, endless
+    )
+
+
+def _owner(pid: str) -> str | None:
+    """The worker of a process id; None for an id worqr never gave out."""
+    try:
+        return parse_process_id(pid).worker_id
+    except InvalidProcessIdError:
+        return None
 
 
 @redis_boundary
@@ -145,13 +168,14 @@ async def _second_look(
     if not candidates:
         return []
     await anyio.sleep(_SECOND_LOOK)
-    async with r.pipeline(transaction=False) as pipe:
-        for queue, worker_id, pid in candidates:
-            pipe.execute_command("SISMEMBER", keys.held(queue, worker_id), pid)
-            pipe.execute_command("EXISTS", keys.process(queue, pid))
-        replies = await pipe.execute()
+    commands: list[Command] = []
+    for queue, worker_id, pid in candidates:
+        commands.append(("SISMEMBER", keys.held(queue, worker_id), pid))
+        commands.append(("EXISTS", keys.process(queue, pid)))
+    replies = await reads(r, commands)
+    # A held set of the wrong type says nothing: its ids count as recorded (no finding).
     return [
-        (bool(recorded), bool(exists))
+        (is_wrong_type(recorded) or bool(recorded), bool(exists))
         for recorded, exists in zip(replies[::2], replies[1::2], strict=True)
     ]
 
@@ -162,7 +186,7 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
     problems: list[Problem] = []
     recorded = {(queue, pid) for (queue, _), pids in state.held.items() for pid in pids}
     orphans = [
-        (queue, parse_process_id(pid).worker_id, pid)
+        (queue, _owner(pid) or "", pid)
         for queue, pid in sorted(state.process_lengths)
         if (queue, pid) not in recorded
     ]
@@ -178,13 +202,20 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
     ):
         if exists and not is_recorded:
             problems.append(
-                Problem("orphan-process", "a process list no worker records", queue, owner, pid)
+                Problem(
+                    "orphan-process", "a process list no worker records", queue, owner or None, pid
+                )
             )
     for (queue, pid), length in sorted(state.process_lengths.items()):
         if (queue, pid) in recorded and length != 1:
-            owner = parse_process_id(pid).worker_id
             problems.append(
-                Problem("malformed-process", f"a process list of {length} tasks", queue, owner, pid)
+                Problem(
+                    "malformed-process",
+                    f"a process list of {length} tasks",
+                    queue,
+                    _owner(pid),
+                    pid,
+                )
             )
     for (queue, worker_id, pid), (is_recorded, exists) in zip(
         dangling, looks[len(orphans) :], strict=True
@@ -235,4 +266,8 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
         problems.append(
             Problem("unregistered-queue", "a queue with tasks missing from the registry", queue)
         )
+    for key, found, expected in sorted(state.wrong):
+        problems.append(Problem("wrong-type", f"a {found} where worqr keeps a {expected}", key=key))
+    for key in sorted(state.endless):
+        problems.append(Problem("no-expiry", "a key worqr always sets with an expiry", key=key))
     return problems

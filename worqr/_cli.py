@@ -68,7 +68,8 @@ def _is_number(value: object) -> bool:
 def emit(out: TextIO, args: argparse.Namespace, data: Any, text: str) -> None:
     """Print ``data`` as JSON with ``--json``, else ``text``."""
     if getattr(args, "json", False):
-        print(json.dumps(data, ensure_ascii=False), file=out)
+        # ASCII: a task that is not UTF-8 shows as \udcXX escapes, never as raw bytes.
+        print(json.dumps(data), file=out)
     elif text:
         print(text, file=out)
 
@@ -84,7 +85,7 @@ async def known_queue(worqr: Worqr, queue: str) -> str:
 
 
 async def cmd_queues(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
-    stats = [await worqr.statistics(queue) for queue in await worqr.get_queues()]
+    stats = await worqr.queue_statistics()
     data = [
         {
             "name": s.queue,
@@ -158,7 +159,7 @@ def _when(unix: float) -> str:
 
 
 async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
-    stats = [await worqr.statistics(queue) for queue in await worqr.get_queues()]
+    stats = await worqr.queue_statistics()
     workers = await worqr.get_workers()
     data = {
         "queues": len(stats),
@@ -248,17 +249,24 @@ async def cmd_check(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
                 "queue": p.queue,
                 "worker_id": p.worker_id,
                 "process_id": p.process_id,
+                "key": p.key,
             }
             for p in report.problems
         ],
     }
-    rows = [[p.kind, p.queue, p.worker_id, p.process_id, p.detail] for p in report.problems]
+    rows = [
+        [p.kind, p.queue or p.key, p.worker_id, p.process_id, p.detail] for p in report.problems
+    ]
     verdict = (
         "ok: nothing breaks the invariants"
         if report.ok
         else f"{len(report.problems)} problem(s)" + (", repaired" if report.repaired else "")
     )
-    text = verdict if report.ok else table(rows, ["KIND", "QUEUE", "WORKER", "PROCESS", "DETAIL"])
+    text = (
+        verdict
+        if report.ok
+        else table(rows, ["KIND", "QUEUE OR KEY", "WORKER", "PROCESS", "DETAIL"])
+    )
     emit(out, args, data, text if report.ok else f"{text}\n{verdict}")
     return OK if report.ok or report.repaired else FAILED
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
 
-from ._errors import BackendError
+from ._errors import BackendError, CorruptDataError
 from ._events import work_count
 from ._log import PeerLog
 from ._models import Process
@@ -28,6 +28,8 @@ class Host(Protocol):
     async def _take(self, queue: str, count: int, *, announced: bool) -> list[Process]: ...
 
     async def _settle(self, process: Process, outcome: str, detail: str | None) -> None: ...
+
+    def _report_corrupt(self, keys: Sequence[str]) -> None: ...
 
 
 class Consumer:
@@ -134,6 +136,10 @@ class Consumer:
                 if free > 0 and await self._take_and_start(free):
                     continue  # every free slot was filled: more may wait
                 backoff = 0.05
+            except CorruptDataError as exc:  # logged once a minute: it lasts until repaired
+                self._host._report_corrupt([exc.key or f"a key of queue {self.queue!r}"])
+                await anyio.sleep(_MAX_BACKOFF)
+                continue
             except BackendError as exc:
                 self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
                 await anyio.sleep(backoff)

@@ -15,6 +15,7 @@
     ├── ProtocolVersionError
     └── BackendError
         ├── BackendUnavailableError
+        ├── CorruptDataError
         ├── ReplicationError
         ├── AuthenticationFailedError
         └── PermissionDeniedError
@@ -86,6 +87,17 @@ class BackendUnavailableError(BackendError):
     """Raised when Redis cannot be reached: connection refused, dropped or timed out."""
 
 
+class CorruptDataError(BackendError):
+    """Raised when data under the prefix breaks the layout: a key of the wrong type
+    (another client wrote it), or a reply that is not what worqr stored. The operation
+    changed nothing that could lose a task; ``key`` names the key when it is known.
+    `Worqr.check` reports such keys and ``check(repair=True)`` removes them."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class ReplicationError(BackendError):
     """Raised by `Worqr.enqueue` with ``wait_replicas`` when fewer replicas than asked
     confirmed the tasks in time. The tasks are queued on the primary; a failover
@@ -119,6 +131,11 @@ def translate(
         return AuthenticationFailedError(f"Redis rejected the credentials: {exc}")
     if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
         return PermissionDeniedError(f"Redis ACL denies this: {exc}")
+    if isinstance(exc, redis.exceptions.MaxConnectionsError):
+        return BackendUnavailableError(
+            "connection pool exhausted: every connection of the client's pool is in use"
+            f" and the pool does not wait (nothing was sent) {exc}".rstrip()
+        )
     if isinstance(exc, redis.exceptions.MovedError):
         return BackendUnavailableError(
             f"Redis is unavailable: MOVED {exc} (a slot still moving; or, if this is a"
@@ -126,11 +143,19 @@ def translate(
         )
     if isinstance(exc, _UNAVAILABLE):
         return BackendUnavailableError(f"Redis is unavailable: {exc}")
+    if is_wrong_type(exc):
+        return CorruptDataError(f"a key under the prefix has the wrong type: {exc}")
     if isinstance(exc, redis.exceptions.RedisClusterException) and "cannot be connected" in str(
         exc
     ):
         return BackendUnavailableError(f"Redis is unavailable: {exc}")  # no seed node answers
     return BackendError(f"Redis error: {exc}")
+
+
+def is_wrong_type(reply: object) -> bool:
+    """Whether a reply (or a raised error) is Redis's WRONGTYPE error: a command met a
+    key holding another type than the layout gives it."""
+    return isinstance(reply, redis.exceptions.ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 def redis_boundary(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T]]:
@@ -142,6 +167,11 @@ def redis_boundary(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T
             return await fn(*args, **kwargs)
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise translate(exc) from exc
+        except UnicodeError as exc:  # a client made with strict decoding met other bytes
+            raise CorruptDataError(
+                f"Redis returned bytes that are not valid UTF-8 ({exc}); worqr's own clients"
+                " decode with errors='surrogateescape' (pass encoding_errors= to yours)"
+            ) from exc
         except (AttributeError, TypeError) as exc:
             if not _connection_pulled_away(exc):
                 raise

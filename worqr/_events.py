@@ -9,6 +9,15 @@ delivery task of their own. So a slow listener delays only other listeners: neve
 subscriber's reading, a consumer's reaction, or the heartbeat loop that reports
 ``lost``. Whatever arrives on a channel is parsed totally: a message that makes no
 sense is logged and skipped, and the next one is delivered as usual.
+
+The subscriber never trusts a quiet connection. A node that stops answering without
+closing its socket (a frozen host, a partition, a connection a middlebox forgot) sends
+nothing, not even an error: so after `_PROBE_INTERVAL` seconds without a word the
+subscriber sends a PING, and a PING (or a subscription) that stays unanswered for
+`_PROBE_TIMEOUT` seconds ends the connection, as a dropped one would: the subscriber
+reconnects (on a Cluster through the next node), resubscribes and runs its
+after-reconnect recovery. Every step of reaching a node is bounded too, so that a
+frozen node cannot hold the subscriber (see `DETECTION_BOUND`).
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ import inspect
 import json
 import random
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from typing import Any
 
 import anyio
 from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
 from ._connections import Client, subscriber_pool
@@ -46,11 +57,28 @@ CHANNEL_EVENTS = frozenset({"work", "cancel", "delete", "done"})
 Hook = Callable[[str, str], None]
 """An internal, synchronous event hook (the consumers' wake-up and cancel path)."""
 
-_POLL = 0.05
+_POLL = 0.05  # seconds one read waits for a message
+_PROBE_INTERVAL = 1.0  # seconds without a word from the server before a PING asks for one
+_PROBE_TIMEOUT = 2.0  # seconds a PING or a (un)subscribe may wait for its answer
+DETECTION_BOUND = _PROBE_INTERVAL + _PROBE_TIMEOUT
+"""Seconds after the server's last word that a silent subscriber connection is given
+up as dead (a frozen node, a partition, a half-open socket), give or take a read of
+at most `_POLL` and a last look of at most `_LAST_LOOK`."""
+_CONNECT_LIMIT = 3.0  # seconds to reach a node, or to send it a command
+_STEP_LIMIT = 2.0  # seconds for a connect, a handshake reply, a send, a first topology read
+_LAST_LOOK = 4 * _POLL  # seconds of a last read before a silent connection is given up
+_CLOSE_LIMIT = 1.0  # seconds to close a connection given up (its peer may be frozen)
+_MIN_BACKOFF = 0.05
 _MAX_BACKOFF = 2.0
 _SETTLE_LIMIT = 10.0
+_RECOVERY_LIMIT = 30.0  # seconds the after-reconnect recovery may take
 _BACKLOG = 10_000  # events waiting for listeners before the oldest is dropped
 _MAX_COUNT_DIGITS = 18  # a ``work:N`` count longer than this is not a count
+
+
+class Unresponsive(RedisConnectionError):
+    """The subscriber's connection stayed silent past its bound (a PING or a
+    subscription went unanswered), or reaching a node took too long."""
 
 
 class Subscribed:
@@ -67,7 +95,12 @@ class Subscribed:
 
 
 class Events:
-    """Listener registry and the subscriber loop of one `Worqr`."""
+    """Listener registry and the subscriber loop of one `Worqr`.
+
+    Its per-queue state (listeners, hooks, pins, confirmed channels, waiters) holds a
+    queue only while something wants it or a subscription change is on its way: a
+    peer that touches many short-lived queues does not grow.
+    """
 
     def __init__(
         self,
@@ -79,8 +112,9 @@ class Events:
         self._log = log
         self._client = client
         self._spread = random.randrange(1 << 16)  # which Cluster node to start on
-        self._pool: ConnectionPool | None = None  # one server's: kept across reconnects
+        self._pool: ConnectionPool | None = None  # the subscriber's own connections
         self._keys = keys
+        self._channels = f"{keys.prefix}:q:{{"  # how every channel of ours begins
         self._on_reconnect = on_reconnect
         self._listeners: dict[str, list[Listener]] = {}
         self._hooks: dict[str, list[Hook]] = {}
@@ -88,9 +122,10 @@ class Events:
         self._confirmed: set[str] = set()
         self._changed: anyio.Event | None = None
         self._settled: dict[str, anyio.Event] = {}
-        self._queue_of: dict[str, str] = {}
         self._closed = False
         self._refused: BackendError | None = None
+        self._backoff = _MIN_BACKOFF
+        self._recovery = anyio.Event()  # set: the after-reconnect recovery is due
         self._backlog: deque[tuple[str, str, str]] = deque()  # for the listeners
         self._queued = anyio.Event()  # the backlog is not empty
 
@@ -141,21 +176,23 @@ class Events:
             self._channel(q, done=True) for q in self._listeners
         }
 
-    def _in_sync(self, queue: str, wanted: set[str]) -> bool:
+    def _in_sync(self, queue: str) -> bool:
         """Whether the server-side subscriptions of ``queue`` are the wanted ones."""
-        return all(
-            (channel in wanted) == (channel in self._confirmed)
-            for channel in (self._channel(queue), self._channel(queue, done=True))
+        done = queue in self._listeners
+        control = done or queue in self._pinned or queue in self._hooks
+        return control == (self._channel(queue) in self._confirmed) and done == (
+            self._channel(queue, done=True) in self._confirmed
         )
 
     async def settled(self, queue: str) -> None:
         """Wait until the server-side subscription of ``queue`` matches what is wanted.
 
         Raises `ClosedError` if the events close meanwhile, and
-        `BackendUnavailableError` if Redis does not confirm within a bounded time.
+        `BackendUnavailableError` if Redis does not confirm within a bounded time
+        (time enough to give up a frozen node and subscribe through another).
         """
         with anyio.move_on_after(_SETTLE_LIMIT):
-            while not self._in_sync(queue, self._wanted()):
+            while not self._in_sync(queue):
                 if self._closed:
                     raise ClosedError("this Worqr is closed")
                 if self._refused is not None:
@@ -235,23 +272,42 @@ class Events:
         """Subscribe to what is wanted and deliver messages; reconnect with backoff."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._deliver)
+            tg.start_soon(self._recover)
             await self._subscribe()
 
-    async def _subscribe(self) -> None:
-        backoff = 0.05
-        reconnecting = False
-        attempt = 0
+    async def _recover(self) -> None:
+        """Run the after-reconnect recovery each time it is due, beside the subscriber
+        (which goes on reading meanwhile); requests made while it runs are served by
+        one more run."""
         while True:
+            await self._recovery.wait()
+            self._recovery = anyio.Event()
             try:
-                pubsub = await self._pubsub(attempt)
-            except (RedisError, RedisClusterException, OSError) as exc:  # no node answers now
-                self._log.warning("event subscriber cannot reach Redis (%s); retrying", exc)
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
-                continue
-            attempt += 1
+                with anyio.move_on_after(_RECOVERY_LIMIT) as scope:
+                    await self._on_reconnect()
+                if scope.cancelled_caught:
+                    self._log.warning(
+                        "the re-check after reconnect took over %g s; gave it up",
+                        _RECOVERY_LIMIT,
+                    )
+            except Exception:
+                self._log.exception("the re-check after reconnect failed")
+
+    async def _subscribe(self) -> None:
+        reconnecting = False
+        attempt = 0  # on a Cluster, each attempt goes through the next node
+        while True:
+            pubsub: PubSub | None = None
             try:
-                await self._serve(pubsub, reconnecting)
+                try:
+                    with _bounded(_CONNECT_LIMIT, "reaching a node"):
+                        pubsub = await self._pubsub(attempt)
+                except (RedisError, RedisClusterException, OSError) as exc:  # no node answers
+                    self._log.warning(
+                        "event subscriber cannot reach Redis (%s); retrying", _reason(exc)
+                    )
+                else:
+                    await self._serve(pubsub, reconnecting)
             except Exception as exc:  # never let the subscriber die: it is the fleet's ears
                 if not isinstance(exc, RedisError | OSError):
                     self._log.exception("event subscriber failed; restarting it")
@@ -261,57 +317,87 @@ class Events:
                         self._refused = failure  # waiters learn why, instead of waiting
                         for event in self._settled.values():
                             event.set()
-                self._log.warning("event subscriber lost its connection (%s); reconnecting", exc)
-                self._lose_confirmations()
+                self._log.warning(
+                    "event subscriber lost its connection (%s); reconnecting", _reason(exc)
+                )
+                self._confirmed.clear()
                 reconnecting = True
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
             finally:
-                with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                await self._drop(pubsub)
+            attempt += 1
+            await anyio.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, _MAX_BACKOFF)
 
     async def _pubsub(self, attempt: int) -> PubSub:
-        """A subscriber on a connection that never resends (on a Cluster, through
-        the next node at each reconnect: see `subscriber_pool`)."""
-        if self._pool is not None:
-            return PubSub(self._pool)
-        pool = await subscriber_pool(self._client, attempt, self._spread)
-        if isinstance(pool, ConnectionPool):
-            self._pool = pool
-        return PubSub(pool)  # type: ignore[arg-type]
+        """A subscriber on a connection of its own that never resends: to the one
+        server, or on a Cluster to the next node at each reconnect (see
+        `subscriber_pool`)."""
+        if self._pool is None or isinstance(self._client, RedisCluster):
+            self._pool = await subscriber_pool(self._client, attempt, self._spread, _STEP_LIMIT)
+        return PubSub(self._pool)
 
-    def _lose_confirmations(self) -> None:
-        self._confirmed.clear()
+    async def _drop(self, pubsub: PubSub | None) -> None:
+        """Close a connection given up, and whatever else the subscriber's own pool
+        holds (a connection whose handshake a timeout cut short), in bounded time."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_LIMIT):
+            with contextlib.suppress(RedisError, OSError):
+                if pubsub is not None:
+                    await pubsub.aclose()
+            with contextlib.suppress(RedisError, OSError):
+                if self._pool is not None:
+                    await self._pool.disconnect()
 
     async def _serve(self, pubsub: PubSub, reconnecting: bool) -> None:
+        """Keep the subscriptions of ``pubsub`` as wanted and handle what arrives,
+        until the connection fails or falls silent (`Unresponsive`).
+
+        The server is due to say something (a message, a confirmation, the answer to a
+        PING) by `DETECTION_BOUND` after its last word, or `_PROBE_TIMEOUT` after a
+        request, whichever comes first; every step here, even one stuck in redis-py's
+        own reconnect to the same node, ends by then.
+        """
         requested: set[str] = set()
         changed: anyio.Event | None = None
         wanted: set[str] = set()
+        heard = anyio.current_time()  # when the server last said anything
+        asked: float | None = None  # when the earliest request still unanswered was sent
         while True:
             if changed is None or changed.is_set():  # registrations changed: resubscribe
                 changed = self._changed = anyio.Event()
                 wanted = self._wanted()
-                await self._sync(pubsub, requested, wanted)
+                with _bounded(_CONNECT_LIMIT, "subscribing"):  # may connect first
+                    sent = await self._sync(pubsub, requested, wanted)
+                if sent and asked is None:
+                    asked = anyio.current_time()
             if reconnecting and requested and wanted <= self._confirmed:
                 reconnecting = False
                 self._log.info("event subscriber reconnected")
-                await self._on_reconnect()
-            if not requested and not self._confirmed:
+                self._recovery.set()
+            if not requested and not self._confirmed:  # nothing to hear
                 if reconnecting:
-                    await self._on_reconnect()
+                    self._recovery.set()
                     reconnecting = False
                 with anyio.move_on_after(1.0):
                     await changed.wait()
+                heard, asked = anyio.current_time(), None
                 continue
-            try:
-                message = await pubsub.get_message(timeout=_POLL)
-            except UnicodeDecodeError:  # a Cluster node's connection decodes replies
-                self._log.warning("skipped an event message that is not valid UTF-8")
-                continue
+            now = anyio.current_time()
+            if asked is None and now - heard >= _PROBE_INTERVAL:
+                asked = now
+                with _bounded(_PROBE_TIMEOUT, "a PING"):
+                    await pubsub.ping()
+            due = heard + DETECTION_BOUND if asked is None else asked + _PROBE_TIMEOUT
+            message = await _read(pubsub, due)
+            now = anyio.current_time()
             if message is not None:
+                heard, asked = now, None
                 self._handle(message)
+            elif now >= due:
+                raise Unresponsive(f"Redis said nothing for {now - heard:.1f} s")
 
-    async def _sync(self, pubsub: PubSub, requested: set[str], wanted: set[str]) -> None:
+    async def _sync(self, pubsub: PubSub, requested: set[str], wanted: set[str]) -> bool:
+        """Ask for the changes that make the subscriptions the wanted ones; whether
+        anything was asked (its confirmations are then due)."""
         add, drop = wanted - requested, requested - wanted
         if add:
             await pubsub.subscribe(*add)
@@ -320,20 +406,34 @@ class Events:
             await pubsub.unsubscribe(*drop)
             requested -= drop
         for queue in list(self._settled):
-            if self._in_sync(queue, wanted):
+            if self._in_sync(queue):
                 self._settled.pop(queue).set()
+        return bool(add or drop)
 
     def _channel(self, queue: str, *, done: bool = False) -> str:
-        channel = self._keys.done(queue) if done else self._keys.events(queue)
-        self._queue_of[channel] = queue
-        return channel
+        return self._keys.done(queue) if done else self._keys.events(queue)
+
+    def _queue_of(self, channel: str) -> str | None:
+        """The queue whose channel ``channel`` is, read from the name itself (so no
+        table of channels grows with the queues a peer ever touched); None if it is
+        not one of ours."""
+        if not channel.startswith(self._channels):
+            return None
+        for done, suffix in ((False, "}:events"), (True, "}:done")):
+            if channel.endswith(suffix):
+                queue = channel[len(self._channels) : -len(suffix)]
+                if self._channel(queue, done=done) == channel:
+                    return queue
+        return None
 
     def _handle(self, message: dict[str, Any]) -> None:
         """Apply one reply of the subscription: a message, or a (un)subscribe
         confirmation. Total: a message that cannot be read is logged and skipped."""
         kind = text(message["type"])
+        if kind not in ("message", "subscribe", "unsubscribe"):  # a PING's answer
+            return
         channel = text(message["channel"])
-        queue = self._queue_of.get(channel)
+        queue = self._queue_of(channel)
         if queue is None:
             return
         if kind == "message":
@@ -363,13 +463,48 @@ class Events:
             return
         if kind == "subscribe":
             self._refused = None
+            self._backoff = _MIN_BACKOFF  # the server answers: a later loss retries at once
             self._confirmed.add(channel)
-        elif kind == "unsubscribe":
+        else:
             self._confirmed.discard(channel)
         settled = self._settled.get(queue)
-        if settled is not None and self._in_sync(queue, self._wanted()):
+        if settled is not None and self._in_sync(queue):
             del self._settled[queue]
             settled.set()
+
+
+async def _read(pubsub: PubSub, due: float) -> dict[str, Any] | None:
+    """The next reply of the subscription within `_POLL`, or None; a read still busy
+    at ``due`` (stuck in redis-py's own reconnect to a frozen node) is cut off then.
+
+    A None at or past ``due`` comes only after a last look: when the event loop was
+    blocked past ``due``, the replies that came meanwhile wait in the socket, and the
+    same loop turn that delivers them to the connection also expires the first read.
+    """
+    message: dict[str, Any] | None = None
+    with contextlib.suppress(TimeoutError):
+        with anyio.fail_after(max(due - anyio.current_time(), 0.0) + _POLL):
+            message = await pubsub.get_message(timeout=_POLL)
+        if message is not None or anyio.current_time() < due:
+            return message
+    with contextlib.suppress(TimeoutError), anyio.fail_after(_LAST_LOOK):
+        message = await pubsub.get_message(timeout=_POLL)
+    return message
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float, what: str) -> Iterator[None]:
+    """At most ``seconds`` for ``what``; then `Unresponsive`."""
+    try:
+        with anyio.fail_after(seconds):
+            yield
+    except TimeoutError as exc:
+        raise Unresponsive(f"{what} got no answer within {seconds:.1f} s") from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """What a connection failure says, for the log."""
+    return str(exc) or type(exc).__name__
 
 
 def _records(body: str) -> list[str] | None:

@@ -20,13 +20,20 @@ class Keys:
 
     @property
     def queues(self) -> str:
-        """SET of queue names: every queue enqueued to or worked on, until deleted."""
+        """SET of queue names: every queue with queued, failed or in-process tasks or
+        with a worker working on it (others are pruned by the supervision scan)."""
         return f"{self.prefix}:queues"
 
     @property
     def workers(self) -> str:
         """SET of registered worker ids."""
         return f"{self.prefix}:workers"
+
+    @property
+    def deletions(self) -> str:
+        """ZSET of queue names scored by the time of their last deletion (the last hour's),
+        read by workers that may have missed a ``delete`` event."""
+        return f"{self.prefix}:deleted"
 
     @property
     def protocol(self) -> str:
@@ -91,6 +98,28 @@ class Keys:
     # -- reading names back (the consistency check) ---------------------------------
 
     @property
+    def registries(self) -> tuple[str, ...]:
+        """The keys of one name each (not per queue or worker)."""
+        return (
+            self.queues,
+            self.workers,
+            self.deletions,
+            self.protocol,
+            self.supervision_lease,
+        )
+
+    def type_of(self, key: str) -> str | None:
+        """The Redis type the layout gives ``key``; None for a key not of the layout."""
+        if key in (self.queues, self.workers):
+            return "set"
+        if key == self.deletions:
+            return "zset"
+        if key in (self.protocol, self.supervision_lease):
+            return "string"
+        parsed = self.parse(key)
+        return None if parsed is None else TYPES[parsed[0]]
+
+    @property
     def everything(self) -> str:
         """SCAN pattern of every key under the prefix (an admin path, never a hot one)."""
         return f"{self.prefix}:*"
@@ -114,6 +143,19 @@ class Keys:
                 return kind, owner, rest
         return None
 
+
+TYPES = {
+    "tasks": "list",
+    "failed": "list",
+    "unique": "set",
+    "deaths": "hash",
+    "holders": "set",
+    "held": "set",
+    "p": "list",
+    "alive": "string",
+    "queues": "set",
+}
+"""The Redis type of each kind of per-queue and per-worker key (see `Keys.parse`)."""
 
 _QUEUE_KEYS = frozenset({"tasks", "failed", "unique", "deaths", "holders", "held", "p"})
 _WORKER_KEYS = frozenset({"alive", "queues"})

@@ -37,10 +37,31 @@ class FailedTask:
     """A task whose handler raised, kept in its queue's failed list until retried."""
 
     task: str
+    """The task; bytes that are not valid UTF-8 show as lone surrogates (see `raw`)."""
     error: str
     worker_id: str
     failed_at: float
     """Unix time, by the failing worker's clock (for display only)."""
+
+    @property
+    def raw(self) -> bytes:
+        """The task's bytes exactly as they were stored in Redis."""
+        return self.task.encode("utf-8", "surrogateescape")
+
+    @property
+    def readable(self) -> bool:
+        """False for a task whose bytes are not valid UTF-8 (no handler can take it)."""
+        return readable(self.task)
+
+
+def readable(task: str) -> bool:
+    """Whether a task read from Redis is valid UTF-8 text: worqr's clients decode
+    other bytes to lone surrogates, so that they survive the round trip unchanged."""
+    try:
+        task.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import MaxConnectionsError, RedisError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._connections import Client as Client
@@ -29,8 +29,11 @@ from ._connections import Pinned, on_slot, pinned
 from ._errors import (
     BackendError,
     BackendUnavailableError,
+    CorruptDataError,
     DuplicateTaskError,
+    InvalidProcessIdError,
     ReplicationError,
+    is_wrong_type,
     redis_boundary,
 )
 from ._keys import Keys
@@ -44,8 +47,88 @@ Command = tuple[str | int | float, ...]
 
 
 def text(value: bytes | str) -> str:
-    """A Redis reply as str, whatever the client's ``decode_responses``."""
-    return value.decode() if isinstance(value, bytes) else value
+    """A Redis reply as str, whatever the client's ``decode_responses``: bytes that
+    are not valid UTF-8 become lone surrogates, as worqr's own clients decode them, so
+    that writing the str back stores the same bytes (see `_models.readable`)."""
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
+def stored(task: str) -> str | bytes:
+    """A task read from Redis, as it goes back to Redis: its original bytes when they
+    were not valid UTF-8 (so that no client's strict encoder meets the surrogates)."""
+    try:
+        task.encode("utf-8")
+    except UnicodeEncodeError:
+        return task.encode("utf-8", "surrogateescape")
+    return task
+
+
+def wrong_keys(commands: Sequence[Command], replies: Sequence[Any]) -> list[str]:
+    """The keys (first arguments) of the commands whose reply is a WRONGTYPE error."""
+    return [
+        str(command[1])
+        for command, reply in zip(commands, replies, strict=False)
+        if is_wrong_type(reply)
+    ]
+
+
+def _unless_wrong(replies: list[Any]) -> list[Any]:
+    """Replies of a pipeline run with ``raise_on_error=False``: an error other than
+    WRONGTYPE is raised; WRONGTYPE replies stay in place for the caller to isolate."""
+    for reply in replies:
+        if isinstance(reply, ResponseError) and not is_wrong_type(reply):
+            raise reply
+    return replies
+
+
+async def reads(r: Client, commands: Sequence[Command]) -> list[Any]:
+    """Send commands in one round trip, without MULTI; their replies in order, a
+    wrong-typed key's WRONGTYPE error in its place (so one bad key spoils nothing else)."""
+    if not commands:
+        return []
+    async with r.pipeline(transaction=False) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        return _unless_wrong(await pipe.execute(raise_on_error=False))
+
+
+async def read(client: Client | Pipeline, *command: str | int | float) -> Any:
+    """`call` for a read of a layout key: a WRONGTYPE reply raises `CorruptDataError`
+    naming the key."""
+    try:
+        return await call(client, *command)
+    except ResponseError as exc:
+        if is_wrong_type(exc):
+            raise _corrupt(str(command[1])) from exc
+        raise
+
+
+def _corrupt(key: str, found: str | None = None) -> CorruptDataError:
+    what = f"a {found}" if found else "of another type"
+    return CorruptDataError(f"{key} is {what} than worqr's layout gives it", key)
+
+
+async def _require(pipe: Pipeline, key: str, kind: str) -> None:
+    """In a WATCHed pipeline: raise `CorruptDataError` unless ``key`` is a ``kind``
+    or absent (for a key whose failed write inside MULTI would lose a task)."""
+    found = text(await call(pipe, "TYPE", key))
+    if found not in (kind, "none"):
+        await pipe.reset()
+        raise _corrupt(key, found)
+
+
+def _raise_wrong(commands: Sequence[Command], replies: Sequence[Any]) -> None:
+    """Raise `CorruptDataError` for the first command whose reply is WRONGTYPE."""
+    bad = wrong_keys(commands, replies)
+    if bad:
+        raise _corrupt(bad[0])
+
+
+def members(reply: Any) -> list[str]:
+    """A SMEMBERS reply as sorted strs; a wrong-typed key's reply as no members."""
+    if is_wrong_type(reply):
+        return []
+    return sorted(text(m) for m in reply)
 
 
 def event(kind: str, message: str = "") -> str:
@@ -53,11 +136,42 @@ def event(kind: str, message: str = "") -> str:
     return f"{kind}:{message}"
 
 
+DONE_FIELD_LIMIT = 65_536
+"""Characters of a task or result that a ``done`` record carries: a message over
+Redis's pub/sub output-buffer limit (32 MB by default) would disconnect every
+listener, and the ``cancel`` and ``delete`` events behind it would be lost."""
+_DONE_MESSAGE_LIMIT = 1 << 20  # characters of records one ``done`` message carries
+
+
 def done_record(process_id: str, worker_id: str, task: str, result: str | None) -> str:
-    """One finished process, as JSON; a ``done`` message is a JSON array of these."""
-    return json.dumps(
-        {"process_id": process_id, "worker_id": worker_id, "task": task, "result": result}
-    )
+    """One finished process, as JSON; a ``done`` message is a JSON array of these. A
+    task or result longer than `DONE_FIELD_LIMIT` is cut there, with ``"truncated":
+    true``."""
+    record: dict[str, Any] = {
+        "process_id": process_id,
+        "worker_id": worker_id,
+        "task": task[:DONE_FIELD_LIMIT],
+        "result": None if result is None else result[:DONE_FIELD_LIMIT],
+    }
+    if len(task) > DONE_FIELD_LIMIT or len(result or "") > DONE_FIELD_LIMIT:
+        record["truncated"] = True
+    return json.dumps(record)
+
+
+def done_messages(records: Sequence[str]) -> list[str]:
+    """``done`` messages carrying the records, each at most about a megabyte."""
+    messages: list[str] = []
+    batch: list[str] = []
+    size = 0
+    for record in records:
+        if batch and size + len(record) > _DONE_MESSAGE_LIMIT:
+            messages.append(event("done", f"[{','.join(batch)}]"))
+            batch, size = [], 0
+        batch.append(record)
+        size += len(record) + 1
+    if batch:
+        messages.append(event("done", f"[{','.join(batch)}]"))
+    return messages
 
 
 async def call(client: Client | Pipeline, *args: str | int | float) -> Any:
@@ -70,13 +184,12 @@ async def _pipelined(client: Redis, commands: Iterable[Command]) -> list[Any]:
     async with client.pipeline(transaction=False) as pipe:
         for command in commands:
             pipe.execute_command(*command)
-        replies: list[Any] = await pipe.execute()
-        return replies
+        return _unless_wrong(await pipe.execute(raise_on_error=False))
 
 
 async def _in_order(r: Client, groups: Sequence[tuple[str, Sequence[Command]]]) -> list[Any]:
     """Run groups of commands, each group applied after the one before it and each on
-    the server of its key's slot; the replies of all, in order.
+    the server of its key's slot; the replies of all, in order (WRONGTYPE in place).
 
     On one server the groups go in one pipeline (one connection keeps the order), in
     one round trip; on a Cluster each group is a round trip of its own.
@@ -104,6 +217,8 @@ async def _atomic(once: Client, key: str, commands: Sequence[Command]) -> list[A
 
     try:
         return await on_slot(once, key, _transaction(commands))
+    except MaxConnectionsError:
+        raise  # no connection, nothing sent
     except (RedisConnectionError, RedisTimeoutError) as exc:
         raise _unknown_outcome() from exc
 
@@ -115,8 +230,7 @@ def _transaction(commands: Sequence[Command]) -> Callable[[Redis], Awaitable[lis
         async with node.pipeline(transaction=True) as pipe:
             for command in commands:
                 pipe.execute_command(*command)
-            replies: list[Any] = await pipe.execute()
-            return replies
+            return _unless_wrong(await pipe.execute(raise_on_error=False))
 
     return run
 
@@ -126,7 +240,10 @@ async def _optimistic(
 ) -> tuple[_T, list[Any]]:
     """WATCH ``watch``, run ``body`` (reads, then ``pipe.multi()`` and queued writes), EXEC.
 
-    Returns the body's value and EXEC's replies (empty when the body wrote nothing).
+    Returns the body's value and EXEC's replies (empty when the body wrote nothing),
+    a WRONGTYPE error in place of the reply of a command that met a wrong-typed key
+    (the other commands of the transaction were applied: the body checks the types
+    of the keys whose failure could lose a task before it writes).
     The body is re-run when a watched key changed before EXEC. Contention is bounded:
     after many conflicts in a row the operation gives up with a `BackendError`. A
     connection lost while watching (redis-py reports it as a WatchError rather than
@@ -143,7 +260,9 @@ async def _optimistic(
                         await pipe.reset()
                         return result, []
                     try:
-                        return result, await pipe.execute()
+                        return result, _unless_wrong(await pipe.execute(raise_on_error=False))
+                    except MaxConnectionsError:
+                        raise  # no connection, nothing sent
                     except (RedisConnectionError, RedisTimeoutError) as exc:
                         raise _unknown_outcome() from exc
                 except WatchError as exc:
@@ -160,13 +279,13 @@ async def _register_after(r: Client, keys: Keys, queue: str, push: Awaitable[_T]
     unknown or its WAIT fell short, since the tasks may be there."""
     try:
         outcome = await push
-    except DuplicateTaskError:
+    except (DuplicateTaskError, CorruptDataError):
         raise  # refused: nothing was pushed
     except Exception:
         with contextlib.suppress(RedisError, OSError):
             await call(r, "SADD", keys.queues, queue)
         raise
-    await call(r, "SADD", keys.queues, queue)
+    await reads(r, [("SADD", keys.queues, queue)])  # a wrong-typed registry: check's
     return outcome
 
 
@@ -210,13 +329,14 @@ async def enqueue(
         ("RPUSH", keys.tasks(queue), *tasks),
         ("PUBLISH", keys.events(queue), event("work", str(len(tasks)))),
     ]
-    if wait is None:
-        await _in_order(r, [(keys.tasks(queue), push), (keys.queues, register)])
+    if wait is None:  # a wrong-typed registry fails only its SADD: check reports it
+        replies = await _in_order(r, [(keys.tasks(queue), push), (keys.queues, register)])
+        _raise_wrong(push, replies[:1])
         return None
 
     async def waited(node: Redis) -> int:
         async with pinned(node) as one:  # WAIT counts the writes of its own connection
-            await _pipelined(one.client, push)
+            _raise_wrong(push, await _pipelined(one.client, push))
             return await _wait(one, wait)
 
     return await _register_after(r, keys, queue, on_slot(r, keys.tasks(queue), waited))
@@ -245,7 +365,7 @@ async def enqueue_unique(
         raise DuplicateTaskError("the same unique task appears twice in one enqueue")
 
     async def body(pipe: Pipeline) -> None:
-        present = await call(pipe, "SMISMEMBER", keys.unique(queue), *tasks)
+        present = await read(pipe, "SMISMEMBER", keys.unique(queue), *tasks)
         taken = [task for task, flag in zip(tasks, present, strict=True) if flag]
         if taken:
             await pipe.reset()
@@ -257,13 +377,19 @@ async def enqueue_unique(
         pipe.execute_command("SADD", keys.unique(queue), *tasks)
         pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
 
+    async def pushed(client: Client) -> None:
+        _, replies = await _optimistic(client, [keys.unique(queue)], body)
+        if is_wrong_type(replies[0]):  # tasks is no list: withdraw the marks just set
+            await call(client, "SREM", keys.unique(queue), *tasks)
+            raise _corrupt(keys.tasks(queue))
+
     async def waited(node: Redis, wait: tuple[int, int]) -> int:
         async with pinned(node) as one:  # WAIT counts the writes of its own connection
-            await _optimistic(one.client, [keys.unique(queue)], body)
+            await pushed(one.client)
             return await _wait(one, wait)
 
     if wait is None:
-        await _register_after(r, keys, queue, _optimistic(r, [keys.unique(queue)], body))
+        await _register_after(r, keys, queue, pushed(r))
         return None
     return await _register_after(
         r, keys, queue, on_slot(r, keys.unique(queue), functools.partial(waited, wait=wait))
@@ -284,20 +410,20 @@ async def cancel(once: Client, keys: Keys, queue: str, task: str) -> int:
       6. EXEC
     """
 
-    removed, _, _, _ = await _atomic(
-        once,
-        keys.tasks(queue),
-        [
-            ("LREM", keys.tasks(queue), 0, task),
-            ("SREM", keys.unique(queue), task),
-            ("HDEL", keys.deaths(queue), digest(task)),
-            ("PUBLISH", keys.events(queue), event("cancel", task)),
-        ],
-    )
-    return int(removed)
+    commands: list[Command] = [
+        ("LREM", keys.tasks(queue), 0, task),
+        ("SREM", keys.unique(queue), task),
+        ("HDEL", keys.deaths(queue), digest(task)),
+        ("PUBLISH", keys.events(queue), event("cancel", task)),
+    ]
+    replies = await _atomic(once, keys.tasks(queue), commands)
+    _raise_wrong(commands[:1], replies)  # the marks' keys are the check's to report
+    return int(replies[0])
 
 
 _DELETE_PASSES = 10
+DELETIONS_KEPT_US = 3_600_000_000
+"""How long (µs) a deletion stays readable by workers that missed its event."""
 
 
 @redis_boundary
@@ -322,12 +448,15 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     began meanwhile (tasks pushed, or a process taken from them): `enqueue` registers
     after its push, so a queue with tasks or processes is never left unregistered.
     Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, deaths; queues.
+      0. SISMEMBER queues queue                                 -> known
       1. SMEMBERS holders;  SMEMBERS held:<w> (per holder)     -> ids
       2. MULTI
       3. DEL tasks failed unique deaths p:<id>...
       4. SREM held:<w> <id>...                                  (per holder)
       5. PUBLISH events delete:                                 (first pass)
       6. EXEC
+         ZADD deleted <now> queue;  ZREMRANGEBYSCORE deleted -inf (<now - 1 h>
+                                          (first pass; a queue registered or not empty)
       7. SMEMBERS holders;  SMEMBERS held:<w>   -> ids: back to 2 with them
       8. `drop_holder` per holder
       9. SREM queues queue
@@ -335,20 +464,21 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     """
     doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.deaths(queue)]
 
-    async def read() -> tuple[list[str], list[list[Any]]]:
-        holders = [text(w) for w in await call(r, "SMEMBERS", keys.holders(queue))]
-        if not holders:
-            return holders, []
-        async with r.pipeline(transaction=False) as pipe:
-            for worker_id in holders:
-                pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
-            return holders, await pipe.execute()
+    async def read() -> tuple[list[str], list[list[str]], list[str]]:
+        """Holders, their held ids, and the keys among those of the wrong type (which
+        read as empty, and which the next sweep deletes)."""
+        found = await reads(r, [("SMEMBERS", keys.holders(queue))])
+        holders = members(found[0])
+        commands: list[Command] = [("SMEMBERS", keys.held(queue, w)) for w in holders]
+        held = await reads(r, commands)
+        wrong = wrong_keys([("SMEMBERS", keys.holders(queue))], found)
+        return holders, [members(reply) for reply in held], wrong + wrong_keys(commands, held)
 
-    holders, held = await read()
+    (known,) = await reads(r, [("SISMEMBER", keys.queues, queue)])
+    holders, held, wrong = await read()
     for attempt in range(_DELETE_PASSES):
-        sweep: list[Command] = [
-            ("DEL", *doomed, *(keys.process(queue, text(pid)) for pids in held for pid in pids))
-        ]
+        processes = [keys.process(queue, pid) for pids in held for pid in pids]
+        sweep: list[Command] = [("DEL", *doomed, *wrong, *processes)]
         sweep += [
             ("SREM", keys.held(queue, worker_id), *pids)
             for worker_id, pids in zip(holders, held, strict=True)
@@ -356,17 +486,26 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
         ]
         if attempt == 0:
             sweep.append(("PUBLISH", keys.events(queue), event("delete")))
-        await _atomic(once, keys.tasks(queue), sweep)
+        deleted = (await _atomic(once, keys.tasks(queue), sweep))[0]
+        if attempt == 0 and (known == 1 or deleted):  # for workers that miss the event
+            now = time.time_ns() // 1000
+            await reads(
+                r,
+                [
+                    ("ZADD", keys.deletions, now, queue),
+                    ("ZREMRANGEBYSCORE", keys.deletions, "-inf", f"({now - DELETIONS_KEPT_US}"),
+                ],
+            )
         # Read again AFTER the sweep: a process dequeued between the last read and the
         # sweep survived it, and only a read made after the sweep can see it.
-        holders, held = await read()
-        if not any(held):
+        holders, held, wrong = await read()
+        if not any(held) and not wrong:
             break
     for worker_id in holders:
         await drop_holder(r, keys, queue, worker_id)
-    await call(r, "SREM", keys.queues, queue)
+    await reads(r, [("SREM", keys.queues, queue)])  # a wrong-typed registry: check's
     if await call(r, "EXISTS", keys.tasks(queue), keys.holders(queue)):
-        await call(r, "SADD", keys.queues, queue)  # the queue's next life began meanwhile
+        await reads(r, [("SADD", keys.queues, queue)])  # the queue's next life began
 
 
 @redis_boundary
@@ -374,31 +513,34 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
     """Move the oldest ``limit`` (default all) failed tasks to the back of the queue.
 
     Keys: queues (SET), failed (LIST of JSON records), tasks (LIST).
-      1. SADD queues queue
-      2. WATCH failed;  LRANGE failed 0 limit-1      -> records (none: UNWATCH, 0)
-      3. MULTI
-      4. LTRIM failed <n> -1
-      5. RPUSH tasks task...
-      6. PUBLISH events work:<n>
-      7. EXEC                                         -> nil: back to 2
+      1. WATCH failed;  LRANGE failed 0 limit-1      -> records (none: UNWATCH, 0)
+         TYPE tasks                                   -> not a list: UNWATCH, raise
+      2. MULTI
+      3. LTRIM failed <n> -1
+      4. RPUSH tasks task...
+      5. PUBLISH events work:<n>
+      6. EXEC                                         -> nil: back to 1
+      7. SADD queues queue                            (if any moved: after the push)
     """
 
     async def body(pipe: Pipeline) -> int:
         stop = -1 if limit is None else limit - 1
-        records = await call(pipe, "LRANGE", keys.failed(queue), 0, stop)
+        records = await read(pipe, "LRANGE", keys.failed(queue), 0, stop)
         if not records:
             return 0
+        await _require(pipe, keys.tasks(queue), "list")  # else the records would be lost
         tasks = [parse_failed(record).task for record in records]
         pipe.multi()
         pipe.execute_command("LTRIM", keys.failed(queue), len(tasks), -1)
-        pipe.execute_command("RPUSH", keys.tasks(queue), *tasks)
+        pipe.execute_command("RPUSH", keys.tasks(queue), *map(stored, tasks))
         pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
         return len(tasks)
 
     if limit is not None and limit <= 0:
         return 0
-    await call(r, "SADD", keys.queues, queue)
     moved, _ = await _optimistic(r, [keys.failed(queue)], body)
+    if moved:  # after the push, as `enqueue` (a wrong-typed registry: check's)
+        await reads(r, [("SADD", keys.queues, queue)])
     return moved
 
 
@@ -408,16 +550,7 @@ async def failed_tasks(r: Client, keys: Keys, queue: str) -> list[FailedTask]:
 
     1. LRANGE failed 0 -1
     """
-    return [parse_failed(record) for record in await call(r, "LRANGE", keys.failed(queue), 0, -1)]
-
-
-@redis_boundary
-async def registered(r: Client, keys: Keys, queues: Sequence[str]) -> list[bool]:
-    """Whether each queue is in the registry (a deleted queue is not).
-
-    1. SMISMEMBER queues queue...
-    """
-    return [bool(flag) for flag in await call(r, "SMISMEMBER", keys.queues, *queues)]
+    return [parse_failed(record) for record in await read(r, "LRANGE", keys.failed(queue), 0, -1)]
 
 
 @redis_boundary
@@ -436,21 +569,30 @@ async def request_work(r: Client, keys: Keys, queue: str) -> int:
     1. LLEN tasks
     2. PUBLISH events work:<count>   (if count > 0)
     """
-    waiting = int(await call(r, "LLEN", keys.tasks(queue)))
+    waiting = int(await read(r, "LLEN", keys.tasks(queue)))
     if waiting:
         await publish(r, keys, queue, "work", str(waiting))
     return waiting
 
 
 def parse_failed(record: bytes | str) -> FailedTask:
-    """Decode one failed-list record."""
-    data = json.loads(text(record))
-    return FailedTask(
-        task=data["task"],
-        error=data["error"],
-        worker_id=data["worker_id"],
-        failed_at=data["failed_at"],
-    )
+    """Decode one failed-list record; total: a record worqr did not write (not JSON,
+    or not of this shape) is returned whole as the task, with an error saying so, so
+    that listing, retrying and deleting failed tasks go on around it."""
+    raw = text(record)
+    try:
+        data = json.loads(raw)
+        task, error, worker_id, failed_at = (
+            data["task"],
+            data["error"],
+            data["worker_id"],
+            float(data["failed_at"]),
+        )
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        return FailedTask(task=raw, error="unreadable failed record", worker_id="", failed_at=0.0)
+    if not all(isinstance(value, str) for value in (task, error, worker_id)):
+        return FailedTask(task=raw, error="unreadable failed record", worker_id="", failed_at=0.0)
+    return FailedTask(task=task, error=error, worker_id=worker_id, failed_at=failed_at)
 
 
 # -- processes ----------------------------------------------------------------------------
@@ -494,7 +636,7 @@ async def dequeue(
     are withdrawn in step 7; an id left behind by a crash there names no process list
     and goes with the next reclaim.
     """
-    length = count if announced else await call(r, "LLEN", keys.tasks(queue))
+    length = count if announced else await read(r, "LLEN", keys.tasks(queue))
     if not length:
         return []
     held = keys.held(queue, worker_id)
@@ -510,40 +652,67 @@ async def dequeue(
         ]
         return [*moves, ("SADD", held, *ids), ("SADD", keys.holders(queue), worker_id)]
 
+    recorded: Any = 1
     for _ in range(_MAX_ATTEMPTS):
         ids = new_ids(k)
         try:
-            tasks = (await on_slot(once, keys.tasks(queue), _transaction(take(ids))))[:k]
+            replies = await on_slot(once, keys.tasks(queue), _transaction(take(ids)))
+            tasks, recorded = replies[:k], replies[k]
             break
+        except MaxConnectionsError:
+            raise  # no connection, nothing sent
         except (RedisConnectionError, RedisTimeoutError):
-            async with r.pipeline(transaction=False) as reads:
-                for pid in ids:
-                    reads.execute_command("LINDEX", keys.process(queue, pid), 0)
-                tasks = await reads.execute()
-            if any(task is not None for task in tasks):
+            lookups: list[Command] = [("LINDEX", keys.process(queue, pid), 0) for pid in ids]
+            tasks = await reads(once, lookups)
+            if any(isinstance(task, str | bytes) for task in tasks):
                 break  # the lost EXEC was applied: adopt what it took
     else:
         raise BackendError(f"gave up dequeuing from {queue!r} after {_MAX_ATTEMPTS} tries")
+    # A wrong-typed tasks key fails every LMOVE (nothing taken); a wrong-typed held
+    # set fails the record (the tasks go straight back). holders is the check's.
+    found = [task if isinstance(task, str | bytes) else None for task in tasks]
+    if is_wrong_type(recorded) and any(task is not None for task in found):
+        for pid in reversed([pid for pid, task in zip(ids, found, strict=True) if task]):
+            await _atomic(once, keys.tasks(queue), _back_to_front(keys, queue, pid))
+        raise _corrupt(held)
     taken = [
         Process(pid, text(task), queue)
-        for pid, task in zip(ids, tasks, strict=True)
+        for pid, task in zip(ids, found, strict=True)
         if task is not None
     ]
     if len(taken) < len(ids):
-        unused = [pid for pid, task in zip(ids, tasks, strict=True) if task is None]
-        await call(r, "SREM", held, *unused)
+        unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
+        await reads(r, [("SREM", held, *unused)])
+    if any(is_wrong_type(task) for task in tasks):
+        raise _corrupt(keys.tasks(queue))
     return taken
 
 
+def _back_to_front(keys: Keys, queue: str, pid: str) -> list[Command]:
+    """The commands that return a process's task to the front of its queue."""
+    return [
+        ("LMOVE", keys.process(queue, pid), keys.tasks(queue), "RIGHT", "LEFT"),
+        ("PUBLISH", keys.events(queue), event("work", "1")),
+    ]
+
+
 async def _end_process(
-    r: Client, keys: Keys, ref: ProcessRef, queue_writes: Callable[[Pipeline, str], None]
+    r: Client,
+    keys: Keys,
+    ref: ProcessRef,
+    queue_writes: Callable[[Pipeline, str], None],
+    *,
+    appends_to: str | None = None,
 ) -> str | None:
     """Fenced end of a process: if it still exists, delete it and its bookkeeping and
     release the task's unique mark, plus the caller's writes; return its task.
+    ``appends_to`` names a list the writes push the task to: it must be a list (or
+    absent), since its push failing inside MULTI would lose the task.
 
     WATCH is needed because the unique mark may only be released while the process
     exists: a late finish after a reclaim must not free the mark of the requeued task.
       1. WATCH p:<id>;  LINDEX p:<id> 0   -> nil: UNWATCH, return None (gone)
+         (TYPE <appends_to>                -> not a list: UNWATCH, raise)
       2. MULTI
       3. DEL p:<id>
       4. SREM held:<w> <id>
@@ -555,14 +724,16 @@ async def _end_process(
     proc = keys.process(ref.queue, ref.id)
 
     async def body(pipe: Pipeline) -> str | None:
-        raw = await call(pipe, "LINDEX", proc, 0)
+        raw = await read(pipe, "LINDEX", proc, 0)
         if raw is None:
             return None
+        if appends_to is not None:
+            await _require(pipe, appends_to, "list")
         task = text(raw)
         pipe.multi()
         pipe.execute_command("DEL", proc)
         pipe.execute_command("SREM", keys.held(ref.queue, ref.worker_id), ref.id)
-        pipe.execute_command("SREM", keys.unique(ref.queue), task)
+        pipe.execute_command("SREM", keys.unique(ref.queue), stored(task))
         pipe.execute_command("HDEL", keys.deaths(ref.queue), digest(task))
         queue_writes(pipe, task)
         return task
@@ -605,7 +776,7 @@ async def finish_many(
       5. SREM held:<w> <id>...
       6. SREM unique <task>...
       7. HDEL deaths <sha1>...
-      8. PUBLISH done done:[{...}, ...]   (one message, a record per process)
+      8. PUBLISH done done:[{...}, ...]   (a record per process; a message per MB)
       9. EXEC                             -> nil: back to 1
     """
     refs = [split_process_id(process.id) for process, _ in done]
@@ -624,12 +795,11 @@ async def finish_many(
             pipe.multi()
             pipe.execute_command("DEL", *procs)
             pipe.execute_command("SREM", keys.held(queue, worker_id), *(refs[i].id for i in at))
-            pipe.execute_command("SREM", keys.unique(queue), *tasks)
+            pipe.execute_command("SREM", keys.unique(queue), *map(stored, tasks))
             pipe.execute_command("HDEL", keys.deaths(queue), *{digest(task) for task in tasks})
-            records = ",".join(
-                done_record(refs[i].id, worker_id, done[i][0].task, done[i][1]) for i in at
-            )
-            pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{records}]"))
+            records = [done_record(refs[i].id, worker_id, done[i][0].task, done[i][1]) for i in at]
+            for message in done_messages(records):
+                pipe.execute_command("PUBLISH", keys.done(queue), message)
             return True
 
         whole, _ = await _optimistic(r, procs, body)
@@ -663,7 +833,7 @@ async def fail(r: Client, keys: Keys, ref: ProcessRef, error: str) -> str | None
         }
         pipe.execute_command("RPUSH", keys.failed(ref.queue), json.dumps(record))
 
-    return await _end_process(r, keys, ref, writes)
+    return await _end_process(r, keys, ref, writes, appends_to=keys.failed(ref.queue))
 
 
 @redis_boundary
@@ -689,6 +859,12 @@ async def stop(once: Client, keys: Keys, ref: ProcessRef) -> str | None:
             ("PUBLISH", keys.events(queue), event("work", "1")),
         ],
     )
+    if is_wrong_type(task):  # the task stays in its process list: keep it recorded
+        await reads(once, [("SADD", keys.held(queue, ref.worker_id), ref.id)])
+        raise CorruptDataError(
+            f"{keys.tasks(queue)} or {keys.process(queue, ref.id)} is not a list",
+            keys.tasks(queue),
+        )
     return None if task is None else text(task)
 
 
@@ -718,6 +894,7 @@ async def reclaim(
     Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET); with
     quarantine also deaths (HASH), failed (LIST), unique (SET).
       1. WATCH held:<w>;  SMEMBERS held:<w>     -> ids, sorted newest first
+         TYPE tasks;  (quarantine) TYPE failed -> not lists: UNWATCH, raise (nothing moved)
       2. (quarantine) LINDEX p:<id> 0 ...;  HMGET deaths <sha1>...   (one round trip each)
       3. MULTI
       4. per id, newest first:
@@ -732,11 +909,11 @@ async def reclaim(
     held = keys.held(queue, worker_id)
 
     async def body(pipe: Pipeline) -> list[tuple[str, str | None]]:
-        ids = sorted(
-            (text(pid) for pid in await call(pipe, "SMEMBERS", held)),
-            key=lambda pid: parse_process_id(pid).token,
-            reverse=True,
-        )
+        ids = sorted(members(await read(pipe, "SMEMBERS", held)), key=_token, reverse=True)
+        if ids:  # the LMOVEs must not fail inside MULTI, nor the quarantine's RPUSH
+            await _require(pipe, keys.tasks(queue), "list")
+            if quarantine_after:
+                await _require(pipe, keys.failed(queue), "list")
         counts = await _death_counts(r, keys, queue, ids) if quarantine_after and ids else {}
         plan: list[tuple[str, str | None]] = []  # what each group of replies belongs to
         pipe.multi()
@@ -753,7 +930,7 @@ async def reclaim(
                 pipe.execute_command("DEL", proc)
                 pipe.execute_command("RPUSH", keys.failed(queue), json.dumps(record))
                 pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
-                pipe.execute_command("SREM", keys.unique(queue), task)
+                pipe.execute_command("SREM", keys.unique(queue), stored(task))
                 plan.append(("quarantined", task))
                 continue
             pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
@@ -773,7 +950,7 @@ async def reclaim(
     quarantined: list[str] = []
     position = 0
     for kind, task in plan:
-        if kind == "returned" and replies[position] is not None:
+        if kind == "returned" and isinstance(replies[position], str | bytes):
             returned.append(text(replies[position]))
         elif kind == "quarantined" and task is not None:
             quarantined.append(task)
@@ -791,24 +968,43 @@ async def _death_counts(
     Read outside the transaction: the WATCH on the worker's held set already aborts
     it if any of these processes changes.
     """
-    async with r.pipeline(transaction=False) as pipe:
-        for pid in ids:
-            pipe.execute_command("LINDEX", keys.process(queue, pid), 0)
-        raw_tasks = await pipe.execute()
-    tasks = {pid: text(raw) for pid, raw in zip(ids, raw_tasks, strict=True) if raw is not None}
+    raw_tasks = await reads(r, [("LINDEX", keys.process(queue, pid), 0) for pid in ids])
+    tasks = {
+        pid: text(raw)
+        for pid, raw in zip(ids, raw_tasks, strict=True)
+        if isinstance(raw, str | bytes)
+    }
     if not tasks:
         return {}
     digests = [digest(task) for task in tasks.values()]
-    counts = await call(r, "HMGET", keys.deaths(queue), *digests)
+    (counts,) = await reads(r, [("HMGET", keys.deaths(queue), *digests)])
+    if is_wrong_type(counts):  # a wrong-typed deaths hash counts nothing (check's)
+        counts = [None] * len(digests)
     return {
-        pid: (task, int(count or 0))
-        for (pid, task), count in zip(tasks.items(), counts, strict=True)
+        pid: (task, _count(count)) for (pid, task), count in zip(tasks.items(), counts, strict=True)
     }
+
+
+def _count(raw: Any) -> int:
+    """A stored counter; 0 for one that is missing or not a number."""
+    try:
+        return max(0, int(raw or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _token(pid: str) -> str:
+    """The sort key of a process id (its dequeue order); "" for an id worqr did not
+    give out, which sorts first."""
+    try:
+        return parse_process_id(pid).token
+    except InvalidProcessIdError:
+        return ""
 
 
 def digest(task: str) -> str:
     """The field under which a task's death count is kept (tasks may be megabytes)."""
-    return hashlib.sha1(task.encode()).hexdigest()
+    return hashlib.sha1(task.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 @redis_boundary
@@ -822,27 +1018,24 @@ async def processes(r: Client, keys: Keys, queues: Sequence[str] | None = None) 
       4. LINDEX p:<id> 0               (per process, one round trip)
     """
     if queues is None:
-        queues = sorted(text(q) for q in await call(r, "SMEMBERS", keys.queues))
-    async with r.pipeline(transaction=False) as pipe:
-        for queue in queues:
-            pipe.execute_command("SMEMBERS", keys.holders(queue))
-        holders = await pipe.execute()
-    pairs = [(q, text(w)) for q, ws in zip(queues, holders, strict=True) for w in ws]
-    async with r.pipeline(transaction=False) as pipe:
-        for queue, worker_id in pairs:
-            pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
-        held = await pipe.execute()
+        queues = members(await read(r, "SMEMBERS", keys.queues))
+    # Wrong-typed keys read as empty and unparsable ids are skipped: check reports both.
+    holders = await reads(r, [("SMEMBERS", keys.holders(queue)) for queue in queues])
+    pairs = [(q, w) for q, ws in zip(queues, holders, strict=True) for w in members(ws)]
+    held = await reads(r, [("SMEMBERS", keys.held(q, w)) for q, w in pairs])
     candidates = sorted(
-        (parse_process_id(text(pid)) for pids in held for pid in pids), key=lambda ref: ref.token
+        (
+            (token, queue, pid)
+            for (queue, _), pids in zip(pairs, held, strict=True)
+            for pid in members(pids)
+            if (token := _token(pid))
+        ),
     )
-    async with r.pipeline(transaction=False) as pipe:
-        for ref in candidates:
-            pipe.execute_command("LINDEX", keys.process(ref.queue, ref.id), 0)
-        tasks = await pipe.execute()
+    tasks = await reads(r, [("LINDEX", keys.process(q, pid), 0) for _, q, pid in candidates])
     return [
-        Process(ref.id, text(task), ref.queue)
-        for ref, task in zip(candidates, tasks, strict=True)
-        if task is not None
+        Process(pid, text(task), queue)
+        for (_, queue, pid), task in zip(candidates, tasks, strict=True)
+        if isinstance(task, str | bytes)
     ]
 
 
@@ -855,19 +1048,22 @@ async def register_worker(
 ) -> None:
     """Mark a worker alive and list it, with the queues it works on.
 
-    The heartbeat comes first so that a listed worker is never mistaken for a dead one.
-      1. SET alive <now> PX <timeout>
-      2. SADD w:queues queue...        (if any)
-      3. SADD workers <w>              (after 1 and 2, on a Cluster too)
+    The registry entry comes first: every key of a worker that a crash between the
+    steps (two round trips on a Cluster) can leave behind is then findable by the
+    dead-worker scan, which removes them once the heartbeat is gone. A listed worker
+    whose heartbeat is not yet set may be failed by a peer meanwhile: it holds
+    nothing yet, and its own next `touch_worker` lists it again.
+      1. SADD workers <w>
+      2. SET alive <now> PX <timeout>
+      3. SADD w:queues queue...        (if any)
     """
     queue_list = list(queues)
     own: list[Command] = [("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms)]
     if queue_list:
         own.append(("SADD", keys.worker_queues(worker_id), *queue_list))
-    await _in_order(
-        r,
-        [(keys.heartbeat(worker_id), own), (keys.workers, [("SADD", keys.workers, worker_id)])],
-    )
+    listed: list[Command] = [("SADD", keys.workers, worker_id)]
+    replies = await _in_order(r, [(keys.workers, listed), (keys.heartbeat(worker_id), own)])
+    _raise_wrong(own, replies[1:])  # a wrong-typed registry is the check's to report
 
 
 @redis_boundary
@@ -883,19 +1079,49 @@ async def heartbeat(r: Client, keys: Keys, worker_id: str, timeout_ms: int) -> b
 
 
 @redis_boundary
-async def start_work(r: Client, keys: Keys, worker_id: str, queue: str) -> int:
-    """Record that a worker works on a queue; return how many tasks wait in it.
+async def start_work(r: Client, keys: Keys, worker_id: str, queue: str) -> tuple[int, str | None]:
+    """Record that a worker works on a queue; return how many tasks wait in it (0 when
+    the tasks key is of the wrong type: the consumer's dequeues then report it) and
+    the time of the queue's last deletion in the last hour (see `deletions`).
 
-    1. SADD queues queue
-    2. SADD w:queues queue
-    3. LLEN tasks
+    The work list comes before the registry, so that a `prune_queues` that read no
+    worker working on the queue unregisters it before this SADD re-registers it.
+      1. SADD w:queues queue
+      2. SADD queues queue;  ZSCORE deleted queue
+      3. LLEN tasks
     """
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SADD", keys.queues, queue)
-        pipe.execute_command("SADD", keys.worker_queues(worker_id), queue)
-        pipe.execute_command("LLEN", keys.tasks(queue))
-        _, _, waiting = await pipe.execute()
-    return int(waiting)
+    own: list[Command] = [("SADD", keys.worker_queues(worker_id), queue)]
+    replies = await _in_order(
+        r,
+        [
+            (keys.worker_queues(worker_id), own),
+            (keys.queues, [("SADD", keys.queues, queue)]),
+            (keys.deletions, [("ZSCORE", keys.deletions, queue)]),
+            (keys.tasks(queue), [("LLEN", keys.tasks(queue))]),
+        ],
+    )
+    _raise_wrong(own, replies)
+    _, deleted, waiting = replies[1:]
+    return 0 if is_wrong_type(waiting) else int(waiting), _score(deleted)
+
+
+def _score(reply: Any) -> str | None:
+    """A deletion time as ZSCORE gives it; None for none (or a registry of the wrong
+    type, which the check reports)."""
+    if reply is None or is_wrong_type(reply):
+        return None
+    return text(reply) if isinstance(reply, str | bytes) else repr(reply)
+
+
+@redis_boundary
+async def deletions(r: Client, keys: Keys, queues: Sequence[str]) -> list[str | None]:
+    """When each queue was last deleted (within the hour), to compare with what
+    `start_work` read: a worker that missed a ``delete`` event learns of it so.
+
+    1. ZMSCORE deleted queue...
+    """
+    (scores,) = await reads(r, [("ZMSCORE", keys.deletions, *queues)])
+    return [None] * len(queues) if is_wrong_type(scores) else [_score(s) for s in scores]
 
 
 @redis_boundary
@@ -906,29 +1132,39 @@ async def stop_work(r: Client, keys: Keys, worker_id: str, queue: str) -> list[s
     2. SREM w:queues queue
     """
     returned = await reclaim(r, keys, queue, worker_id)
-    await call(r, "SREM", keys.worker_queues(worker_id), queue)
+    await reads(r, [("SREM", keys.worker_queues(worker_id), queue)])
     return returned.returned
 
 
 @redis_boundary
-async def queues_held_by(r: Client, keys: Keys, worker_id: str) -> set[str]:
+async def queues_held_by(r: Client, keys: Keys, worker_id: str) -> tuple[set[str], list[str]]:
     """Every queue where a worker may hold processes: its work list and any queue
-    whose holders name it (processes recorded after its work list was lost).
+    whose holders name it (processes recorded after its work list was lost); and the
+    keys of the wrong type met on the way (read as empty).
 
       1. SMEMBERS w:queues;  SMEMBERS queues
       2. SISMEMBER holders <w>   (per queue, one round trip)
     """
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SMEMBERS", keys.worker_queues(worker_id))
-        pipe.execute_command("SMEMBERS", keys.queues)
-        working, known = await pipe.execute()
-    queues = {text(q) for q in working}
-    candidates = [text(q) for q in known]
-    async with r.pipeline(transaction=False) as pipe:
-        for queue in candidates:
-            pipe.execute_command("SISMEMBER", keys.holders(queue), worker_id)
-        flags = await pipe.execute()
-    return queues | {q for q, flag in zip(candidates, flags, strict=True) if flag}
+    first: list[Command] = [("SMEMBERS", keys.worker_queues(worker_id)), ("SMEMBERS", keys.queues)]
+    working, known = await reads(r, first)
+    candidates = members(known)
+    second: list[Command] = [("SISMEMBER", keys.holders(q), worker_id) for q in candidates]
+    flags = await reads(r, second)
+    holding = {q for q, flag in zip(candidates, flags, strict=True) if flag is True or flag == 1}
+    return set(members(working)) | holding, wrong_keys(first, [working, known]) + wrong_keys(
+        second, flags
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FailedWorker:
+    """What `fail_worker` did."""
+
+    reclaimed: dict[str, Reclaimed]
+    """Per queue, what went back or to quarantine."""
+    corrupt: list[str]
+    """Keys of the wrong type met: processes in such a queue were left recorded (and
+    the worker listed) for a later pass, once ``check(repair=True)`` removed them."""
 
 
 @redis_boundary
@@ -939,93 +1175,169 @@ async def fail_worker(
     *,
     only_if_dead: bool,
     quarantine_after: int | None = None,
-) -> dict[str, Reclaimed] | None:
+) -> FailedWorker | None:
     """Return all of a worker's processes to the front of their queues and deregister it.
 
     With ``only_if_dead`` nothing happens (None) while the worker's heartbeat exists.
     ``quarantine_after`` is passed to `reclaim` when the worker died (not when it is
     failed on purpose). Each step is idempotent and the registry entry goes last, so a
     peer that crashes midway leaves the worker listed for the next cleanup to finish.
+    A queue with a key of the wrong type is skipped (the others go on); the worker then
+    stays listed, without heartbeat, so that a later pass reclaims that queue too.
       1. EXISTS alive (only_if_dead)  |  DEL alive
       2. `queues_held_by` worker
       3. `reclaim` (queue, worker)    per queue
-      4. DEL w:queues
-      5. SREM workers <w>
+      4. DEL w:queues                 (nothing skipped)
+      5. SREM workers <w>             (nothing skipped)
     """
     if only_if_dead:
         if await call(r, "EXISTS", keys.heartbeat(worker_id)):
             return None
     else:
         await call(r, "DEL", keys.heartbeat(worker_id))
-    outcome = {
-        queue: await reclaim(r, keys, queue, worker_id, quarantine_after=quarantine_after)
-        for queue in sorted(await queues_held_by(r, keys, worker_id))
-    }
-    await call(r, "DEL", keys.worker_queues(worker_id))
-    await call(r, "SREM", keys.workers, worker_id)
-    return outcome
+    queues, corrupt = await queues_held_by(r, keys, worker_id)
+    reclaimed: dict[str, Reclaimed] = {}
+    skipped = False
+    for queue in sorted(queues):
+        try:
+            reclaimed[queue] = await reclaim(
+                r, keys, queue, worker_id, quarantine_after=quarantine_after
+            )
+        except CorruptDataError as exc:
+            corrupt.append(exc.key or f"a key of queue {queue!r}")
+            skipped = True
+    if not skipped:
+        await call(r, "DEL", keys.worker_queues(worker_id))
+        await reads(r, [("SREM", keys.workers, worker_id)])
+    return FailedWorker(reclaimed, corrupt)
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """What one supervision scan found."""
+
+    dead: list[str]
+    """Workers, listed or named as holders, whose heartbeat is gone."""
+    idle: list[str]
+    """Registered queues with no queued, failed or in-process task and no worker."""
+    corrupt: list[str]
+    """Keys of the wrong type met (read as empty: one bad key costs only what it holds)."""
 
 
 @redis_boundary
-async def dead_workers(r: Client, keys: Keys) -> list[str]:
-    """Workers, listed or recorded as holders of some queue, whose heartbeat is gone.
+async def scan(r: Client, keys: Keys) -> Scan:
+    """The fleet-wide scan: dead workers, and queues idle enough to leave the registry.
 
-    O(workers + queues) per call; only one peer per interval runs it (see
-    `acquire_supervision`), so fleet-wide cost stays linear in workers.
+    O(workers + registered queues) per call; only one peer per interval runs it (see
+    `acquire_supervision`), and since idle queues are pruned (`prune_queues`), its cost
+    follows the queues in use, not every queue ever used.
       1. SMEMBERS workers;  SMEMBERS queues
-      2. SMEMBERS holders             (per queue, one round trip)
-      3. EXISTS alive                 (per candidate, one round trip)
+      2. SMEMBERS holders;  EXISTS tasks failed     (per queue)
+         SMEMBERS w:queues                          (per listed worker)   one round trip
+      3. EXISTS alive                               (per candidate, one round trip)
     """
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SMEMBERS", keys.workers)
-        pipe.execute_command("SMEMBERS", keys.queues)
-        listed, known = await pipe.execute()
-    candidates = {text(w) for w in listed}
-    async with r.pipeline(transaction=False) as pipe:
-        for queue in known:
-            pipe.execute_command("SMEMBERS", keys.holders(text(queue)))
-        for holders in await pipe.execute():
-            candidates.update(text(w) for w in holders)
-    ordered = sorted(candidates)
-    async with r.pipeline(transaction=False) as pipe:
-        for worker_id in ordered:
-            pipe.execute_command("EXISTS", keys.heartbeat(worker_id))
-        alive = await pipe.execute()
-    return [w for w, flag in zip(ordered, alive, strict=True) if not flag]
+    first: list[Command] = [("SMEMBERS", keys.workers), ("SMEMBERS", keys.queues)]
+    listed, known = await reads(r, first)
+    workers, queues = members(listed), members(known)
+    second: list[Command] = []
+    for queue in queues:
+        second += [
+            ("SMEMBERS", keys.holders(queue)),
+            ("EXISTS", keys.tasks(queue), keys.failed(queue)),
+        ]
+    second += [("SMEMBERS", keys.worker_queues(worker_id)) for worker_id in workers]
+    replies = await reads(r, second)
+    holders, contents = replies[: 2 * len(queues) : 2], replies[1 : 2 * len(queues) : 2]
+    worked = {q for reply in replies[2 * len(queues) :] for q in members(reply)}
+    candidates = sorted(set(workers).union(*(members(reply) for reply in holders)))
+    alive = await reads(r, [("EXISTS", keys.heartbeat(worker_id)) for worker_id in candidates])
+    idle = [
+        queue
+        for queue, held_by, content in zip(queues, holders, contents, strict=True)
+        if not held_by and content == 0 and queue not in worked
+    ]
+    return Scan(
+        dead=[w for w, flag in zip(candidates, alive, strict=True) if not flag],
+        idle=idle,
+        corrupt=wrong_keys(first, [listed, known]) + wrong_keys(second, replies),
+    )
+
+
+@redis_boundary
+async def prune_queues(r: Client, keys: Keys, idle: Sequence[str]) -> list[str]:
+    """Unregister queues a `scan` found idle; return those that stayed out.
+
+    No lock, and no queue that comes to life meanwhile is lost: the entries go first,
+    then a second read re-registers every queue that has tasks, failed tasks or
+    processes, or a worker, by then. A push the read missed comes after it, so its
+    own SADD (after the push, see `enqueue`) re-registers the queue; a `start_work`
+    the read missed writes its work list after the read and the registry after that.
+      1. SREM queues queue...
+      2. SMEMBERS workers;  EXISTS tasks failed holders (per queue)
+      3. SMEMBERS w:queues (per listed worker)
+      4. SADD queues queue...                       (those in use by now)
+    """
+    if not idle:
+        return []
+    await reads(r, [("SREM", keys.queues, *idle)])
+    checks: list[Command] = [
+        ("EXISTS", keys.tasks(q), keys.failed(q), keys.holders(q)) for q in idle
+    ]
+    replies = await reads(r, [("SMEMBERS", keys.workers), *checks])
+    work_lists = [("SMEMBERS", keys.worker_queues(w)) for w in members(replies[0])]
+    worked = {q for reply in await reads(r, work_lists) for q in members(reply)}
+    back = [q for q, n in zip(idle, replies[1:], strict=True) if n != 0 or q in worked]
+    if back:
+        await reads(r, [("SADD", keys.queues, *back)])
+    return [q for q in idle if q not in back]
 
 
 @redis_boundary
 async def acquire_supervision(r: Client, keys: Keys, worker_id: str, lease_ms: int) -> bool:
     """Take the fleet-wide supervision lease for one interval, if nobody holds it.
 
-    1. SET supervisor <w> NX PX <lease>
+    A lease key without expiry (not written by worqr, which always sets one) would
+    stop supervision for good: then every peer scans, as if it held the lease, until
+    ``check(repair=True)`` removes the key.
+      1. SET supervisor <w> NX PX <lease>
+      2. PTTL supervisor              (taken: -1 means no expiry)
     """
-    return await call(r, "SET", keys.supervision_lease, worker_id, "NX", "PX", lease_ms) is not None
+    taken, ttl = await reads(
+        r,
+        [
+            ("SET", keys.supervision_lease, worker_id, "NX", "PX", lease_ms),
+            ("PTTL", keys.supervision_lease),
+        ],
+    )
+    return taken is not None or ttl == -1
 
 
 @redis_boundary
 async def touch_worker(
     r: Client, keys: Keys, worker_id: str, queues: Sequence[str]
-) -> list[tuple[int, list[str]]]:
+) -> list[tuple[int, list[str] | None]]:
     """Periodic self-check: keep the registry entries true, count waiting tasks and
-    list the processes Redis records under this worker, per queue.
+    list the processes Redis records under this worker, per queue (None for a queue
+    whose held set is of the wrong type: then nothing is known of it, and a tasks key
+    of the wrong type counts 0).
 
     Re-adding is idempotent and heals an entry a racing peer removed just after
     this worker re-registered.
       1. SADD workers <w>;  SADD w:queues queue...
       2. LLEN tasks;  SMEMBERS held:<w>      (per queue)
     """
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SADD", keys.workers, worker_id)
-        if queues:
-            pipe.execute_command("SADD", keys.worker_queues(worker_id), *queues)
-        for queue in queues:
-            pipe.execute_command("LLEN", keys.tasks(queue))
-            pipe.execute_command("SMEMBERS", keys.held(queue, worker_id))
-        replies = await pipe.execute()
-    per_queue = replies[2 if queues else 1 :]
+    commands: list[Command] = [("SADD", keys.workers, worker_id)]
+    if queues:
+        commands.append(("SADD", keys.worker_queues(worker_id), *queues))
+    for queue in queues:
+        commands.append(("LLEN", keys.tasks(queue)))
+        commands.append(("SMEMBERS", keys.held(queue, worker_id)))
+    per_queue = (await reads(r, commands))[2 if queues else 1 :]
     return [
-        (int(waiting), [text(pid) for pid in held])
+        (
+            0 if is_wrong_type(waiting) else int(waiting),
+            None if is_wrong_type(held) else members(held),
+        )
         for waiting, held in zip(per_queue[::2], per_queue[1::2], strict=True)
     ]
 
@@ -1047,17 +1359,21 @@ async def return_orphan(r: Client, keys: Keys, queue: str, process_id: str) -> i
       5. PUBLISH events work:<n>
       6. EXEC                                              -> nil: back to 1
     """
-    ref = parse_process_id(process_id)
     proc = keys.process(queue, process_id)
-    held = keys.held(queue, ref.worker_id)
+    try:
+        held = keys.held(queue, parse_process_id(process_id).worker_id)
+    except InvalidProcessIdError:  # an id worqr never gave out: no worker records it
+        held = None
 
     async def body(pipe: Pipeline) -> int:
-        if await call(pipe, "SISMEMBER", held, process_id):
+        if held is not None and await read(pipe, "SISMEMBER", held, process_id):
             await pipe.reset()
             return 0
         return await _move_back(pipe, keys, queue, proc, keep=0)
 
-    moved, _ = await _optimistic(r, [proc, held], body)
+    moved, replies = await _optimistic(r, [proc] if held is None else [proc, held], body)
+    if replies and is_wrong_type(replies[0]):  # nothing moved: the task stays where it was
+        raise _corrupt(keys.tasks(queue))
     return moved
 
 
@@ -1077,14 +1393,16 @@ async def trim_process(r: Client, keys: Keys, queue: str, process_id: str) -> in
     async def body(pipe: Pipeline) -> int:
         return await _move_back(pipe, keys, queue, proc, keep=1)
 
-    moved, _ = await _optimistic(r, [proc], body)
+    moved, replies = await _optimistic(r, [proc], body)
+    if replies and is_wrong_type(replies[0]):  # nothing moved: the tasks stay where they were
+        raise _corrupt(keys.tasks(queue))
     return moved
 
 
 async def _move_back(pipe: Pipeline, keys: Keys, queue: str, proc: str, *, keep: int) -> int:
     """In a WATCHed pipeline: queue moving all but the first ``keep`` tasks of a process
     list to the front of the queue, newest first (so their order is kept)."""
-    count = int(await call(pipe, "LLEN", proc)) - keep
+    count = int(await read(pipe, "LLEN", proc)) - keep
     if count <= 0:
         await pipe.reset()
         return 0
@@ -1156,6 +1474,47 @@ async def drop_work_list(r: Client, keys: Keys, worker_id: str) -> bool:
 
 
 @redis_boundary
+async def drop_wrong_type(r: Client, key: str, kind: str) -> bool:
+    """Delete a key that is not of the type ``kind`` the layout gives it (another
+    client wrote it there); False if it is of that type (or gone) by now.
+
+    1. WATCH key;  TYPE key                     -> kind or none: UNWATCH, keep it
+    2. MULTI;  DEL key;  EXEC
+    """
+
+    async def body(pipe: Pipeline) -> bool:
+        if text(await call(pipe, "TYPE", key)) in (kind, "none"):
+            return False
+        pipe.multi()
+        pipe.execute_command("DEL", key)
+        return True
+
+    dropped, _ = await _optimistic(r, [key], body)
+    return dropped
+
+
+@redis_boundary
+async def expire_endless(r: Client, key: str, ttl_ms: int) -> bool:
+    """Give a heartbeat or lease key that has no expiry one of ``ttl_ms`` (worqr always
+    sets one: without it a dead worker would stay alive, or supervision held, for
+    good). Not a delete: a live worker's next heartbeat renews its key as usual.
+
+    1. WATCH key;  PTTL key                     -> not -1: UNWATCH, keep it
+    2. MULTI;  PEXPIRE key <ttl>;  EXEC
+    """
+
+    async def body(pipe: Pipeline) -> bool:
+        if await call(pipe, "PTTL", key) != -1:
+            return False
+        pipe.multi()
+        pipe.execute_command("PEXPIRE", key, ttl_ms)
+        return True
+
+    expired, _ = await _optimistic(r, [key], body)
+    return expired
+
+
+@redis_boundary
 async def register(r: Client, registry: str, member: str) -> None:
     """Add a missing registry entry (a live worker or a queue with tasks).
 
@@ -1192,48 +1551,74 @@ async def workers(r: Client, keys: Keys) -> list[WorkerInfo]:
     2. GET alive;  SMEMBERS w:queues         (per worker, one round trip)
     3. `processes` of all queues
     """
-    ids = sorted(text(w) for w in await call(r, "SMEMBERS", keys.workers))
-    async with r.pipeline(transaction=False) as pipe:
-        for worker_id in ids:
-            pipe.execute_command("GET", keys.heartbeat(worker_id))
-            pipe.execute_command("SMEMBERS", keys.worker_queues(worker_id))
-        replies = await pipe.execute()
+    ids = members(await read(r, "SMEMBERS", keys.workers))
+    commands: list[Command] = []
+    for worker_id in ids:
+        commands += [
+            ("GET", keys.heartbeat(worker_id)),
+            ("SMEMBERS", keys.worker_queues(worker_id)),
+        ]
+    replies = await reads(r, commands)
     held: dict[str, int] = {}
     for process in await processes(r, keys):
         held[process.worker_id] = held.get(process.worker_id, 0) + 1
     now = time.time()
     return [
-        WorkerInfo(
-            worker_id,
-            tuple(sorted(text(q) for q in queues)),
-            held.get(worker_id, 0),
-            None if beat is None else max(0.0, now - float(text(beat))),
-        )
+        WorkerInfo(worker_id, tuple(members(queues)), held.get(worker_id, 0), _age(beat, now))
         for worker_id, beat, queues in zip(ids, replies[::2], replies[1::2], strict=True)
     ]
 
 
-@redis_boundary
-async def queue_counts(r: Client, keys: Keys, queue: str) -> tuple[int, int, int, int]:
-    """Queued, in-process and failed tasks of a queue, and the workers working on it.
+def _age(beat: Any, now: float) -> float | None:
+    """Seconds since a heartbeat written at ``beat`` (unix time); None for none, or
+    for a value worqr did not write."""
+    try:
+        return max(0.0, now - float(text(beat)))
+    except (TypeError, ValueError, AttributeError):
+        return None
 
-    1. LLEN tasks;  LLEN failed;  SMEMBERS holders;  SMEMBERS workers
-    2. SCARD held:<w> (per holder);  SISMEMBER w:queues queue (per worker)
+
+@redis_boundary
+async def queue_table(
+    r: Client, keys: Keys, queues: Sequence[str] | None = None
+) -> list[tuple[str, int, int, int, int]]:
+    """Per queue (default: every registered one, sorted): its name, queued, in-process
+    and failed tasks, and the workers working on it; three round trips however many
+    queues there are. A key of the wrong type counts 0.
+
+    1. SMEMBERS queues (without ``queues``);  SMEMBERS workers
+    2. LLEN tasks;  LLEN failed;  SMEMBERS holders  (per queue)
+       SMEMBERS w:queues                            (per worker)
+    3. SCARD held:<w>                               (per queue and holder)
     """
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("LLEN", keys.tasks(queue))
-        pipe.execute_command("LLEN", keys.failed(queue))
-        pipe.execute_command("SMEMBERS", keys.holders(queue))
-        pipe.execute_command("SMEMBERS", keys.workers)
-        queued, failed, holders, listed = await pipe.execute()
-    holder_ids = [text(w) for w in holders]
-    worker_ids = [text(w) for w in listed]
-    async with r.pipeline(transaction=False) as pipe:
-        for worker_id in holder_ids:
-            pipe.execute_command("SCARD", keys.held(queue, worker_id))
-        for worker_id in worker_ids:
-            pipe.execute_command("SISMEMBER", keys.worker_queues(worker_id), queue)
-        replies = await pipe.execute()
-    in_process = sum(int(n) for n in replies[: len(holder_ids)])
-    working = sum(bool(flag) for flag in replies[len(holder_ids) :])
-    return int(queued), in_process, int(failed), working
+    first: list[Command] = [("SMEMBERS", keys.workers)]
+    if queues is None:
+        first.append(("SMEMBERS", keys.queues))
+    replies = await reads(r, first)
+    worker_ids = members(replies[0])
+    names = list(queues) if queues is not None else members(replies[1])
+    second: list[Command] = []
+    for queue in names:
+        second += [
+            ("LLEN", keys.tasks(queue)),
+            ("LLEN", keys.failed(queue)),
+            ("SMEMBERS", keys.holders(queue)),
+        ]
+    second += [("SMEMBERS", keys.worker_queues(w)) for w in worker_ids]
+    counts = await reads(r, second)
+    per_queue = counts[: 3 * len(names)]
+    worked: dict[str, int] = {}
+    for reply in counts[3 * len(names) :]:
+        for queue in members(reply):
+            worked[queue] = worked.get(queue, 0) + 1
+    pairs = [
+        (q, w) for q, holders in zip(names, per_queue[2::3], strict=True) for w in members(holders)
+    ]
+    sizes = await reads(r, [("SCARD", keys.held(q, w)) for q, w in pairs])
+    in_process: dict[str, int] = {}
+    for (queue, _), size in zip(pairs, sizes, strict=True):
+        in_process[queue] = in_process.get(queue, 0) + _count(size)
+    return [
+        (queue, _count(queued), in_process.get(queue, 0), _count(failed), worked.get(queue, 0))
+        for queue, queued, failed in zip(names, per_queue[::3], per_queue[1::3], strict=True)
+    ]

@@ -40,7 +40,10 @@ class Host(Protocol):
     def _audit_snapshot(self) -> tuple[int, frozenset[str]]: ...
 
     async def _audit_processes(
-        self, recorded: list[str], snapshot: tuple[int, frozenset[str]]
+        self,
+        recorded: list[str],
+        snapshot: tuple[int, frozenset[str]],
+        unknown: frozenset[str] = frozenset(),
     ) -> None: ...
 
     def _working_queues(self) -> list[str]: ...
@@ -143,8 +146,11 @@ class Supervisor:
                 queues = host._working_queues()
                 snapshot = host._audit_snapshot()  # before the read is sent
                 found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
-                recorded = [pid for _, held in found for pid in held]
-                await host._audit_processes(recorded, snapshot)
+                recorded = [pid for _, held in found for pid in held or ()]
+                unknown = frozenset(
+                    q for q, (_, held) in zip(queues, found, strict=True) if held is None
+                )
+                await host._audit_processes(recorded, snapshot, unknown)
                 waiting = [count for count, _ in found]
                 await host._recheck_queues(dict(zip(queues, waiting, strict=True)))
             except BackendError as exc:

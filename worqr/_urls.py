@@ -9,14 +9,23 @@ list several seed addresses, which redis-py's URLs cannot:
   (``rediss+sentinel://`` for TLS to the master): the credentials are the master's;
   ``sentinel_username`` and ``sentinel_password`` options are the sentinels' own.
 
-Options are redis-py's URL options (``socket_timeout``, ``client_name``, ...).
+Options are redis-py's URL options (``socket_timeout``, ``client_name``, ...), and two
+that size the connection pool, on every form:
+
+- ``max_connections`` (default 100, redis-py's own): connections one pool opens to the
+  server; a `Worqr` has two pools (one for transactions that must not be resent) plus
+  its event subscriber's connection. On a Cluster: operations one client runs at once,
+  each holding at most one connection per node.
+- ``pool_timeout`` (default 5 seconds): how long an operation waits for a connection
+  while all are in use (a burst of concurrent calls queues up rather than failing);
+  then it raises `BackendUnavailableError`, saying the pool was exhausted.
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Protocol
-from urllib.parse import parse_qsl, quote
+from urllib.parse import parse_qsl, quote, urlencode
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -27,7 +36,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._connections import Client
+from ._connections import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_POOL_TIMEOUT,
+    SURROGATES,
+    Client,
+    WaitingCluster,
+    WaitingPool,
+    WaitingSentinelPool,
+)
 
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 _SENTINEL = ("redis+sentinel", "rediss+sentinel")
@@ -74,8 +91,42 @@ def connect(url: str) -> tuple[Client, list[Closable]]:
     if scheme in _SENTINEL:
         sentinel, master = _sentinel(url)
         return master, [master, _SentinelClients(sentinel)]
-    client = Redis.from_url(url, decode_responses=True, **_retrying())
+    rest, _, query = url.partition("?")
+    query, limits = _pool_limits(query, url)
+    pool = WaitingPool.from_url(
+        rest + (f"?{query}" if query else ""),
+        decode_responses=True,
+        encoding_errors=SURROGATES,
+        **limits,
+        **_retrying(),
+    )
+    client = Redis.from_pool(pool)
     return client, [client]
+
+
+def _pool_limits(query: str, url: str) -> tuple[str, dict[str, Any]]:
+    """A URL's query without the pool's options, and those options (or their defaults)."""
+    kept: list[tuple[str, str]] = []
+    limits: dict[str, Any] = {
+        "max_connections": DEFAULT_MAX_CONNECTIONS,
+        "pool_timeout": DEFAULT_POOL_TIMEOUT,
+    }
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key == "max_connections":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{url!r}: max_connections must be a positive integer")
+            limits[key] = int(value)
+        elif key == "pool_timeout":
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if not 0 < seconds < float("inf"):
+                raise ValueError(f"{url!r}: pool_timeout must be a positive number of seconds")
+            limits[key] = seconds
+        else:
+            kept.append((key, value))
+    return urlencode(kept, quote_via=quote), limits
 
 
 def _split(url: str) -> tuple[str, str, str, str, str]:
@@ -109,11 +160,14 @@ def _cluster(url: str) -> RedisCluster:
     if path not in ("", "/"):
         raise ValueError(f"{url!r}: a Cluster has only database 0; drop the path")
     first = f"{scheme.removesuffix('+cluster')}://{_netloc(credentials, *seeds[0])}"
+    query, limits = _pool_limits(query, url)
     try:
-        return RedisCluster.from_url(
+        return WaitingCluster.from_url(
             first + (f"?{query}" if query else ""),
             startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],
             decode_responses=True,
+            encoding_errors=SURROGATES,
+            **limits,
             **_retrying(),
         )
     except (TypeError, ValueError, RedisClusterException) as exc:
@@ -126,6 +180,7 @@ def _sentinel(url: str) -> tuple[Sentinel, Redis]:
     segments = [segment for segment in path.split("/") if segment]
     if not 1 <= len(segments) <= 2 or (len(segments) == 2 and not segments[1].isdigit()):
         raise ValueError(f"{url!r}: the path must be /service or /service/db")
+    query, limits = _pool_limits(query, url)
     options = dict(parse_qsl(query))
     sentinel_options = {
         key.removeprefix("sentinel_"): options.pop(key)
@@ -149,7 +204,13 @@ def _sentinel(url: str) -> tuple[Sentinel, Redis]:
     sentinel = Sentinel(seeds, sentinel_kwargs=sentinel_options or None, **master_options)
     try:
         master = sentinel.master_for(
-            segments[0], redis_class=Redis, decode_responses=True, **_retrying()
+            segments[0],
+            redis_class=Redis,
+            connection_pool_class=WaitingSentinelPool,
+            decode_responses=True,
+            encoding_errors=SURROGATES,
+            **limits,
+            **_retrying(),
         )
     except TypeError as exc:
         raise ValueError(f"{url!r}: {exc}") from exc

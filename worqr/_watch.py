@@ -24,8 +24,8 @@ async def watch(worqr: Worqr, out: TextIO, *, interval: float, iterations: int |
             lines = [f"worqr watch  prefix={worqr.prefix}  every {interval:g} s", ""]
             lines.append(f"{'QUEUE':<24} {'QUEUED':>8} {'IN PROC':>8} {'FAILED':>8} {'DONE/S':>8}")
             now = time.time()
-            for queue in await worqr.get_queues():
-                stats = await worqr.statistics(queue)
+            for stats in await worqr.queue_statistics():
+                queue = stats.queue
                 # Tasks that left the queue and its processes: done or failed, per second.
                 level = stats.queued + stats.in_process
                 rate = max(0, previous.get(queue, level) - level) / interval

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -20,11 +19,12 @@ from typing_extensions import Self
 from . import _ops
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
-from ._connections import Client, client_without_retries, close_client
+from ._connections import Client, client_without_retries, close_client, decoding_client, strict
 from ._consumer import Consumer, Handler
 from ._errors import (
     BackendError,
     ClosedError,
+    CorruptDataError,
     InvalidProcessIdError,
     NotWorkingError,
     ProtocolVersionError,
@@ -35,7 +35,7 @@ from ._errors import (
 from ._events import Events, Subscribed
 from ._keys import Keys
 from ._log import PeerLog
-from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo
+from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo, readable
 from ._names import (
     ProcessRef,
     check_interval,
@@ -49,12 +49,14 @@ from ._names import (
     parse_process_id,
     split_process_id,
 )
-from ._ops import call, text
+from ._ops import members, read, text
+from ._stats import LocalStats
 from ._supervisor import Supervisor
 from ._urls import Closable, connect
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
-_RECENT = 1000  # dequeue-to-finish times kept per queue for statistics()
+_UNREADABLE = "unreadable task: its bytes are not valid UTF-8 (kept as they were)"
+_REPORT_EVERY = 60.0  # seconds between two warnings about the same corrupt key
 _FINISH_BATCH = 256  # processes finished in one transaction at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
 
@@ -64,9 +66,13 @@ class Worqr:
 
     ``redis`` is a `redis.asyncio.Redis` client (of one server, or of a master that
     Sentinel manages) or a `redis.asyncio.cluster.RedisCluster`; this object uses it
-    but does not close it. `Worqr.from_url` builds and owns its own. Events use one
-    more connection of the client's pool (or of ``subscriber``); on a Cluster, of one
-    node at a time. Times are in seconds.
+    but does not close it. `Worqr.from_url` builds and owns its own. A client that
+    decodes replies strictly (redis-py's default) is not used as it is: this object
+    works through a pool like its own that decodes with ``errors="surrogateescape"``,
+    so that a task that is not UTF-8 can be moved to the failed list byte for byte (a
+    `RedisCluster` should be made with ``encoding_errors="surrogateescape"``). Events
+    use one connection of their own, with the client's (or ``subscriber``'s) options;
+    on a Cluster, to one node at a time. Times are in seconds.
 
     ``wait_replicas`` (default 0: off) makes `enqueue` wait until that many replicas
     have the tasks (Redis ``WAIT``, at most ``wait_timeout``), so that a failover
@@ -130,8 +136,15 @@ class Worqr:
         self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._log = PeerLog(self._worker_id)
-        self._redis = redis
+        self._given = redis
+        self._redis = decoding_client(redis)  # reads tasks that are not UTF-8 too
         self._once = client_without_retries(redis)  # dequeue's transactions: never resent
+        if strict(self._redis):
+            self._log.warning(
+                "this RedisCluster client decodes strictly: make it with"
+                " encoding_errors='surrogateescape' so that tasks that are not UTF-8"
+                " are moved to the failed list instead of failing each dequeue"
+            )
         self._keys = Keys(check_prefix(prefix))
         self._owned: list[Closable] = []
         self._events = Events(subscriber or redis, self._keys, self._after_reconnect, self._log)
@@ -140,7 +153,7 @@ class Worqr:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._ready: asyncio.Event = asyncio.Event()
         self._supervisor: Supervisor | None = None
-        self._working: dict[str, None] = {}
+        self._working: dict[str, str | None] = {}  # queue -> deletion token at start_work
         self._held: dict[str, Process] = {}  # dequeued here; known until Redis ended them
         self._ending: set[str] = set()  # held ids whose end (finish, fail, stop) is in flight
         self._taking: set[str] = set()  # ids of dequeues in flight (outcome not yet known)
@@ -151,9 +164,8 @@ class Worqr:
         self._recovering = anyio.Lock()
         self._epoch = 0
         self._closed = False
-        self._completed: Counter[str] = Counter()
-        self._failed_here: Counter[str] = Counter()
-        self._durations: dict[str, deque[float]] = {}
+        self._stats = LocalStats()
+        self._reported: dict[str, float] = {}  # corrupt key -> when it was last logged
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
@@ -280,7 +292,8 @@ class Worqr:
             async with contextlib.AsyncExitStack() as closing:  # closes in reverse order
                 for resource in reversed(self._owned):
                     closing.push_async_callback(resource.aclose)
-                closing.push_async_callback(close_client, self._once, self._redis)
+                closing.push_async_callback(close_client, self._once, self._given)
+                closing.push_async_callback(close_client, self._redis, self._given)
                 closing.push_async_callback(self._events.close)
                 if self._runner is not None:  # bounded: a shielded wait must not hang
                     ended, _ = await asyncio.wait([self._runner], timeout=_CLOSE_LIMIT)
@@ -292,23 +305,23 @@ class Worqr:
     @redis_boundary
     async def get_queues(self) -> list[str]:
         """Names of the queues that have been enqueued to or worked on, and not deleted."""
-        return sorted(text(q) for q in await call(self._redis, "SMEMBERS", self._keys.queues))
+        return members(await read(self._redis, "SMEMBERS", self._keys.queues))
 
     @redis_boundary
     async def peek_queue(self, queue: str) -> str | None:
         """The task that will be dequeued next, or None."""
-        raw = await call(self._redis, "LINDEX", self._keys.tasks(check_queue(queue)), 0)
+        raw = await read(self._redis, "LINDEX", self._keys.tasks(check_queue(queue)), 0)
         return None if raw is None else text(raw)
 
     @redis_boundary
     async def count_queue(self, queue: str) -> int:
         """How many tasks wait in the queue."""
-        return int(await call(self._redis, "LLEN", self._keys.tasks(check_queue(queue))))
+        return int(await read(self._redis, "LLEN", self._keys.tasks(check_queue(queue))))
 
     @redis_boundary
     async def get_tasks(self, queue: str) -> list[str]:
         """The queued tasks, next first."""
-        raw = await call(self._redis, "LRANGE", self._keys.tasks(check_queue(queue)), 0, -1)
+        raw = await read(self._redis, "LRANGE", self._keys.tasks(check_queue(queue)), 0, -1)
         return [text(task) for task in raw]
 
     async def delete_queue(self, queue: str) -> None:
@@ -406,9 +419,34 @@ class Worqr:
                 return []
             for process in taken:
                 self._held[process.id] = process
-            return taken
         finally:
             self._taking.difference_update(reserved)
+        for process in taken:
+            if not readable(process.task):  # no handler can take it, and no retry helps
+                await self._reject(process)
+        return [process for process in taken if readable(process.task)]
+
+    async def _reject(self, process: Process) -> None:
+        """Move an unreadable task to the failed list: one attempt, so that the tasks
+        taken with it are not held up; if it fails the process stays held here (the
+        audit leaves it alone) rather than going back to the head of the queue."""
+        ref = split_process_id(process.id)
+        try:
+            with self._ending_process(process.id):
+                task = await _ops.fail(self._redis, self._keys, ref, _UNREADABLE)
+        except BackendError as exc:
+            self._log.error(
+                "could not move an unreadable task to the failed list: %s",
+                exc,
+                extra={"queue": process.queue, "process_id": process.id},
+            )
+            return
+        self._held.pop(process.id, None)
+        self._note(ref, task, failed=True)
+        self._log.error(
+            "moved an unreadable task to the failed list",
+            extra={"queue": process.queue, "process_id": process.id},
+        )
 
     @contextlib.contextmanager
     def _ending_process(self, process_id: str) -> Iterator[None]:
@@ -434,7 +472,7 @@ class Worqr:
         with self._ending_process(ref.id):
             task = await _ops.finish(self._redis, self._keys, ref, result)
         self._held.pop(ref.id, None)  # known until Redis answered (an error keeps it)
-        self._note(ref, self._completed, task)
+        self._note(ref, task, failed=False)
         return task is not None
 
     async def stop_process(self, process: Process | str) -> bool:
@@ -460,12 +498,22 @@ class Worqr:
     async def statistics(self, queue: str) -> QueueStatistics:
         """A frozen snapshot of a queue: counts across the fleet, plus what this peer
         finished and failed since it was created, with its recent dequeue-to-finish
-        times (median, 90th and 99th percentile, over the last 1,000 processes)."""
+        times (median, 90th and 99th percentile, over the last 1,000 processes). A
+        peer keeps its own numbers for the 1,000 queues it ended processes of most
+        recently."""
         check_queue(queue)
-        queued, in_process, failed, workers = await _ops.queue_counts(
-            self._redis, self._keys, queue
-        )
-        times = sorted(self._durations.get(queue, ()))
+        (row,) = await _ops.queue_table(self._redis, self._keys, [queue])
+        return self._statistics(row)
+
+    async def queue_statistics(self) -> list[QueueStatistics]:
+        """`statistics` of every registered queue, sorted by name, in three round
+        trips however many queues there are."""
+        return [self._statistics(row) for row in await _ops.queue_table(self._redis, self._keys)]
+
+    def _statistics(self, row: tuple[str, int, int, int, int]) -> QueueStatistics:
+        queue, queued, in_process, failed, workers = row
+        record = self._stats.get(queue)
+        times = sorted(record.durations)
 
         def pick(fraction: float) -> float | None:
             return times[min(len(times) - 1, int(len(times) * fraction))] if times else None
@@ -476,8 +524,8 @@ class Worqr:
             in_process,
             failed,
             workers,
-            self._completed[queue],
-            self._failed_here[queue],
+            record.completed,
+            record.failed,
             pick(0.5),
             pick(0.9),
             pick(0.99),
@@ -518,7 +566,19 @@ class Worqr:
         tg = await self._ensure_running()
         async with self._starting:  # concurrent callers: one supervisor, one registration
             if self._supervisor is None:
-                await self._start_worker(tg)
+                with self._closed_under("its worker started"):
+                    await self._start_worker(tg)
+
+    @contextlib.contextmanager
+    def _closed_under(self, what: str) -> Iterator[None]:
+        """A call that fails because this Worqr closed its own clients under it (a
+        shutdown racing it) raises `ClosedError`, not the connection error."""
+        try:
+            yield
+        except BackendError as exc:
+            if self._closed:
+                raise ClosedError(f"this Worqr was closed while {what}") from exc
+            raise
 
     async def _start_worker(self, tg: anyio.abc.TaskGroup) -> None:
         await self._check_connection()
@@ -547,10 +607,12 @@ class Worqr:
         """Work on a queue: subscribe to its events and publish ``work`` if tasks wait."""
         check_queue(queue)
         self._require_worker()
-        self._working[queue] = None
+        self._working.setdefault(queue, None)
         self._events.pin(queue)
         await self._events.settled(queue)
-        waiting = await _ops.start_work(self._redis, self._keys, self._worker_id, queue)
+        waiting, deleted = await _ops.start_work(self._redis, self._keys, self._worker_id, queue)
+        if queue in self._working:
+            self._working[queue] = deleted
         if waiting:
             await _ops.publish(self._redis, self._keys, queue, "work", str(waiting))
 
@@ -587,7 +649,10 @@ class Worqr:
                 outcome = await _ops.fail_worker(
                     self._redis, self._keys, target, only_if_dead=False
                 )
-        return sum(len(reclaimed.returned) for reclaimed in (outcome or {}).values())
+        if outcome is None:
+            return 0
+        self._report_corrupt(outcome.corrupt)
+        return sum(len(reclaimed.returned) for reclaimed in outcome.reclaimed.values())
 
     def _stop_worker(self, reason: str) -> None:
         for consumer in list(self._consumers):
@@ -605,12 +670,30 @@ class Worqr:
         holders of processes); returns their ids. Tasks whose holders died
         ``quarantine_after`` times go to the failed list instead of back to the queue."""
         failed: list[str] = []
-        for worker_id in await _ops.dead_workers(self._redis, self._keys):
+        found = await _ops.scan(self._redis, self._keys)
+        self._report_corrupt(found.corrupt)
+        for worker_id in found.dead:
             if worker_id == self._worker_id and self._supervisor is not None:
                 continue  # our own heartbeat loop fences and recovers
             if await self._fail_dead(worker_id, only_if_dead=True):
                 failed.append(worker_id)
+        await _ops.prune_queues(self._redis, self._keys, found.idle)
         return failed
+
+    def _report_corrupt(self, keys: Sequence[str]) -> None:
+        """Log each key of the wrong type, once a minute at most per key: the scan
+        goes around it every pass, and ``check()`` lists it until it is repaired."""
+        now = time.monotonic()
+        for key in keys:
+            if now - self._reported.get(key, -_REPORT_EVERY) >= _REPORT_EVERY:
+                if len(self._reported) >= 10_000:
+                    self._reported.clear()
+                self._reported[key] = now
+                self._log.warning(
+                    "key %s has the wrong type for worqr's layout: left alone; "
+                    "check(repair=True) removes it",
+                    key,
+                )
 
     async def _fail_dead(self, worker_id: str, *, only_if_dead: bool) -> bool:
         """Reclaim the processes of a worker that died, counting the deaths of their
@@ -624,7 +707,8 @@ class Worqr:
         )
         if outcome is None:
             return False
-        for queue, reclaimed in outcome.items():
+        self._report_corrupt(outcome.corrupt)
+        for queue, reclaimed in outcome.reclaimed.items():
             if reclaimed.returned or reclaimed.quarantined:
                 self._log.info(
                     "reclaimed %d task(s) of dead worker %s, quarantined %d",
@@ -643,9 +727,12 @@ class Worqr:
         dangling entries are dropped, each re-checked under WATCH before it is written.
         """
         problems = await inspect(self._redis, self._keys)
-        if repair:
-            for problem in problems:
-                await self._repair(problem)
+        if repair:  # wrong-typed keys first: the other repairs may need those keys
+            for problem in sorted(problems, key=lambda p: p.kind != "wrong-type"):
+                try:
+                    await self._repair(problem)
+                except BackendError as exc:  # the others go on; the next check shows it
+                    self._log.warning("could not repair %s: %s", problem.kind, exc)
         return CheckReport(tuple(problems), repaired=repair)
 
     async def _repair(self, problem: Problem) -> None:
@@ -667,17 +754,25 @@ class Worqr:
             await _ops.register(r, keys.workers, worker_id)
         elif problem.kind == "unregistered-queue" and queue:
             await _ops.register(r, keys.queues, queue)
+        elif problem.kind == "wrong-type" and problem.key:
+            kind = keys.type_of(problem.key)
+            if kind is not None:
+                await _ops.drop_wrong_type(r, problem.key, kind)
+                self._log.warning("deleted %s: it had the wrong type", problem.key)
+        elif problem.kind == "no-expiry" and problem.key:
+            # An expiry, not a delete: a live worker's next heartbeat renews it.
+            await _ops.expire_endless(r, problem.key, round(self._worker_timeout * 1000))
 
     @redis_boundary
     async def get_workers(self) -> list[str]:
         """Ids of the registered workers."""
-        return sorted(text(w) for w in await call(self._redis, "SMEMBERS", self._keys.workers))
+        return members(await read(self._redis, "SMEMBERS", self._keys.workers))
 
     @redis_boundary
     async def get_working_queues(self, worker_id: str | None = None) -> list[str]:
         """The queues a worker (default: this one) works on."""
         target = self._worker_id if worker_id is None else check_worker_id(worker_id)
-        raw = await call(self._redis, "SMEMBERS", self._keys.worker_queues(target))
+        raw = await read(self._redis, "SMEMBERS", self._keys.worker_queues(target))
         return sorted(text(q) for q in raw)
 
     # -- fencing (called by the supervisor) -------------------------------------------
@@ -742,7 +837,10 @@ class Worqr:
         return self._epoch, frozenset(pid for pid in self._held if pid not in self._ending)
 
     async def _audit_processes(
-        self, recorded: list[str], snapshot: tuple[int, frozenset[str]]
+        self,
+        recorded: list[str],
+        snapshot: tuple[int, frozenset[str]],
+        unknown: frozenset[str] = frozenset(),
     ) -> None:
         """Reconcile the processes Redis records under this worker with the ones this
         peer holds (``known``: `_audit_snapshot` before the read).
@@ -756,7 +854,8 @@ class Worqr:
         dequeuing is a stray (a dequeue whose outcome stayed unknown): it goes back to
         the front of its queue, newest first so that their order is kept. No clock is
         involved, so neither a slow link nor a clock step can make a live process look
-        like either.
+        like either. Processes of ``unknown`` queues (whose held set could not be read:
+        a key of the wrong type) are neither: nothing is known of them.
         """
         epoch, known = snapshot
         if epoch != self._epoch or self._lost:  # the leases were lost meanwhile: the
@@ -764,8 +863,13 @@ class Worqr:
         present = set(recorded)
         for pid in known - present:
             process = self._held.get(pid)
-            if process is None or pid in self._ending or process.queue not in self._working:
-                continue  # ended meanwhile, or being ended: not lost
+            if (
+                process is None
+                or pid in self._ending
+                or process.queue not in self._working
+                or process.queue in unknown
+            ):
+                continue  # ended meanwhile, being ended, or unknown: not lost
             del self._held[pid]
             self._events.dispatch(process.queue, "lost", pid)
         strays = [
@@ -796,12 +900,14 @@ class Worqr:
         if not queues:
             return
         try:
-            registered = await _ops.registered(self._redis, self._keys, queues)
+            tokens = await _ops.deletions(self._redis, self._keys, queues)
         except BackendError as exc:
             self._log.warning("re-check after reconnect failed: %s", exc)
             return
-        for queue, present in zip(queues, registered, strict=True):
-            self._events.poke(queue, "work" if present else "delete", "")
+        for queue, token in zip(queues, tokens, strict=True):
+            # A token that expired since start_work reads None: that is no deletion.
+            deleted = queue in self._working and token not in (None, self._working[queue])
+            self._events.poke(queue, "delete" if deleted else "work", "")
 
     # -- events ------------------------------------------------------------------------
 
@@ -856,7 +962,8 @@ class Worqr:
             return
         started_here = queue not in self._working
         if started_here:
-            await self.start_work(queue)
+            with self._closed_under("consume started"):
+                await self.start_work(queue)
         # The awaits above let others run: a shutdown, fail_worker or stop_work that
         # came meanwhile must end this call, not leave a consumer nobody stops.
         if self._closed:
@@ -872,18 +979,18 @@ class Worqr:
             self._consumers.discard(consumer)
             self._events.remove_hook(queue, consumer.hook)
             alone = not any(other.queue == queue for other in self._consumers)
-            if started_here and alone and consumer.reason in (None, "deleted") and not self._closed:
+            ours = started_here or consumer.reason == "deleted"  # a deletion ends the work
+            if ours and alone and consumer.reason in (None, "deleted") and not self._closed:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await self._quietly(self.stop_work(queue))
 
     async def _settle(self, process: Process, outcome: str, detail: str | None) -> None:
-        """Apply a handler's outcome to its process, retrying while Redis is away
-        (for at most ``worker_timeout``: after that the lease is lost anyway).
+        """Apply a handler's outcome to its process, retrying while Redis refuses it
+        and the lease holds (a lost lease hands every process back anyway).
 
         The process stays known to this peer, marked as ending, until Redis has
         answered: forgotten earlier, the audit would find it recorded but unknown and
-        return it to the queue although its handler is done. Only when the retries
-        give up is it forgotten, and the audit then returns it if it is still there.
+        return it to the queue although its handler is done.
         """
         ref = split_process_id(process.id)
         if await self._fenced(ref):  # reported lost with the rest of the worker's leases
@@ -901,33 +1008,47 @@ class Worqr:
             return
         if self._closed:
             return
+        kept = False
         try:
             with self._ending_process(process.id):
-                await self._settle_with_retries(process, outcome, action)
+                kept = await self._settle_with_retries(process, outcome, action)
         finally:
-            self._held.pop(process.id, None)
+            if not kept:
+                self._held.pop(process.id, None)
 
     async def _settle_with_retries(
         self, process: Process, outcome: str, action: Callable[[], Awaitable[object]]
-    ) -> None:
+    ) -> bool:
+        """Run ``action`` until it succeeds or the lease is lost (a slot migrating on a
+        Cluster can refuse it for longer than ``worker_timeout`` while the heartbeat,
+        in another slot, goes on; given up, the audit would run the task again); True when
+        it met a key of the wrong type: then the process stays held by this worker
+        (forgotten, the audit would return it to the queue and run it again and again)
+        until the key is repaired and the worker hands it back."""
         epoch = self._epoch
         try:  # outside any cancel scope: the common case costs no timer
             await action()
-            return
+            return False
+        except CorruptDataError as exc:
+            self._settle_failed(process, outcome, exc)
+            self._report_corrupt([exc.key or f"a key of queue {process.queue!r}"])
+            return True
         except BackendError as exc:
             self._settle_failed(process, outcome, exc)
-        with anyio.move_on_after(self._worker_timeout):
-            backoff = 0.05
-            while True:
-                await anyio.sleep(backoff)
-                if epoch != self._epoch or self._closed:
-                    return
-                try:
-                    await action()
-                    return
-                except BackendError as exc:
-                    self._settle_failed(process, outcome, exc)
-                backoff = min(backoff * 2, 1.0)
+        backoff = 0.05
+        while True:  # as long as the lease holds: giving up would run the task again
+            await anyio.sleep(backoff)
+            if epoch != self._epoch or self._lost or self._closed:
+                return False
+            try:
+                await action()
+                return False
+            except CorruptDataError as exc:
+                self._settle_failed(process, outcome, exc)
+                return True
+            except BackendError as exc:
+                self._settle_failed(process, outcome, exc)
+            backoff = min(backoff * 2, 1.0)
 
     def _settle_failed(self, process: Process, outcome: str, exc: BackendError) -> None:
         self._log.warning(
@@ -950,8 +1071,12 @@ class Worqr:
                 return await _ops.finish_many(self._redis, self._keys, self._worker_id, queue, done)
 
             finisher = self._finishers[queue] = GroupCommit(write, _FINISH_BATCH)
-        finished = await finisher.submit((process, result))
-        self._note(ref, self._completed, process.task if finished else None)
+        try:
+            finished = await finisher.submit((process, result))
+        finally:
+            if finisher.idle and self._finishers.get(queue) is finisher:
+                del self._finishers[queue]  # made again on the next finish: none kept idle
+        self._note(ref, process.task if finished else None, failed=False)
         return finished
 
     async def _fail_process(self, ref: ProcessRef, error: str) -> bool:
@@ -960,17 +1085,16 @@ class Worqr:
         with self._ending_process(ref.id):
             task = await _ops.fail(self._redis, self._keys, ref, error)
         self._held.pop(ref.id, None)
-        self._note(ref, self._failed_here, task)
+        self._note(ref, task, failed=True)
         return task is not None
 
-    def _note(self, ref: ProcessRef, counter: Counter[str], task: str | None) -> None:
+    def _note(self, ref: ProcessRef, task: str | None, *, failed: bool) -> None:
         """Count a process this peer ended, and keep its dequeue-to-end time."""
         if task is None:
             return
-        counter[ref.queue] += 1
-        if ref.worker_id == self._worker_id:
-            recent = self._durations.setdefault(ref.queue, deque(maxlen=_RECENT))
-            recent.append(max(0.0, time.time() - ref.dequeued_at))
+        mine = ref.worker_id == self._worker_id
+        duration = max(0.0, time.time() - ref.dequeued_at) if mine else None
+        self._stats.note(ref.queue, failed=failed, duration=duration)
 
     async def _quietly(self, work: Awaitable[object]) -> None:
         try:

@@ -1,0 +1,246 @@
+"""Connection pools: a burst of operations larger than a pool waits for connections
+(bounded) instead of failing, on one server, a Cluster and a Sentinel-managed master;
+a wait past its bound is a `BackendUnavailableError` that says the pool was
+exhausted; the pools worqr derives for transactions that must not be resent wait
+too. Real servers only: the pools are redis-py's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import urllib.parse
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any
+
+import anyio
+import pytest
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+
+from worqr import BackendUnavailableError, Worqr
+from worqr._connections import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_POOL_TIMEOUT,
+    WaitingCluster,
+    WaitingPool,
+    WaitingSentinelPool,
+)
+from worqr._deployments import EmbeddedSentinel
+from worqr._embedded import EmbeddedServer
+from worqr._keys import Keys
+
+from .helpers import eventually
+
+BURST = 500  # concurrent calls on one client: five times redis-py's default pool size
+
+
+@pytest.fixture(scope="module")
+def sentinel_url() -> Iterator[str]:
+    """A master, a replica and 3 Sentinels of this module's own."""
+    with EmbeddedSentinel() as deployment:
+        yield deployment.url
+
+
+@pytest.fixture(params=["redis", "cluster", "sentinel"])
+def url(request: pytest.FixtureRequest) -> str:
+    """A URL of each form `Worqr.from_url` takes, on a real deployment."""
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    if request.param == "cluster":
+        node = urllib.parse.urlsplit(request.getfixturevalue("cluster_url"))
+        return f"redis+cluster://{node.hostname}:{node.port}"
+    return str(request.getfixturevalue("sentinel_url"))
+
+
+def _with(url: str, query: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}{query}"
+
+
+async def _settled(calls: list[Awaitable[Any]]) -> list[Any]:
+    """Await every call at once (bounded); each one's result or exception, in order."""
+    with anyio.fail_after(45):
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def test_a_burst_of_enqueues_larger_than_the_pool_waits_for_connections(url: str) -> None:
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    async with Worqr.from_url(url, prefix=prefix) as worqr:
+        tasks = [f"t{n}" for n in range(BURST)]
+        outcomes = await _settled([worqr.enqueue("q", task) for task in tasks])
+        failures = [repr(outcome) for outcome in outcomes if isinstance(outcome, BaseException)]
+        assert failures == []
+        assert sorted(await worqr.get_tasks("q")) == sorted(tasks)
+        await worqr.delete_queue("q")
+
+
+async def test_a_burst_of_never_resent_transactions_waits_for_connections(url: str) -> None:
+    """`cancel_tasks` runs on the pool derived for transactions that must not be resent."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    async with Worqr.from_url(url, prefix=prefix) as worqr:
+        await worqr.enqueue("q", [f"t{n}" for n in range(BURST)])
+        outcomes = await _settled([worqr.cancel_tasks("q", f"t{n}") for n in range(BURST)])
+        assert [outcome for outcome in outcomes if isinstance(outcome, BaseException)] == []
+        assert outcomes == [1] * BURST
+        assert await worqr.get_tasks("q") == []
+        await worqr.delete_queue("q")
+
+
+async def test_the_derived_pool_of_a_client_whose_pool_fails_at_once_waits(
+    redis_url: str,
+) -> None:
+    """A client of the caller's own, with a small pool that fails at once: worqr's
+    never-resent transactions still wait for connections of their own pool."""
+    pool = ConnectionPool.from_url(redis_url, decode_responses=True, max_connections=5)
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    async with Redis.from_pool(pool) as redis, Worqr(redis, prefix=prefix) as worqr:
+        once = worqr._once
+        assert isinstance(once, Redis)
+        assert isinstance(once.connection_pool, WaitingPool)
+        assert once.connection_pool.max_connections == 5
+        await worqr.enqueue("q", [f"t{n}" for n in range(100)])
+        outcomes = await _settled([worqr.cancel_tasks("q", f"t{n}") for n in range(100)])
+        assert outcomes == [1] * 100
+        await worqr.delete_queue("q")
+
+
+@contextlib.asynccontextmanager
+async def _paused(client: Redis, seconds: float) -> AsyncIterator[None]:
+    """The server holds every write command it receives for the block (at most
+    ``seconds``), as an overloaded or stuck server would."""
+    await client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "WRITE")
+    try:
+        yield
+    finally:
+        await client.execute_command("CLIENT", "UNPAUSE")
+
+
+async def _exhaust_and_recover(worqr: Worqr, server: Redis) -> None:
+    """With ``max_connections=2``: two enqueues stuck on a paused server hold the pool;
+    a third call waits ``pool_timeout`` and raises saying so, and breaks nothing: after
+    the pause the stuck ones complete."""
+    async with anyio.create_task_group() as tg, _paused(server, 10):
+        for n in range(2):
+            tg.start_soon(worqr.enqueue, "q", f"stuck{n}")
+
+        async def both_held() -> bool:
+            return int((await server.info("clients"))["blocked_clients"]) >= 2
+
+        await eventually(both_held, within=10)  # both are sent and held by the server
+        with pytest.raises(BackendUnavailableError, match="connection pool exhausted") as info:
+            await worqr.enqueue("q", "third")
+        assert "max_connections" in str(info.value)
+        # A pipeline too (on a Cluster, redis-py's pipelines took a full pool for a
+        # failed node and closed every connection, the two in flight included).
+        with pytest.raises(BackendUnavailableError, match="connection pool exhausted"):
+            await worqr.get_processes("q")
+    await worqr.enqueue("q", "after")  # the stuck ones finished: the pool is whole again
+    assert sorted(await worqr.get_tasks("q")) == ["after", "stuck0", "stuck1"]
+    await worqr.delete_queue("q")
+
+
+async def test_an_exhausted_pool_raises_a_worqr_error_that_says_so(
+    server: EmbeddedServer, raw: Redis
+) -> None:
+    url = _with(server.url, "max_connections=2&pool_timeout=0.3")
+    async with Worqr.from_url(url, prefix=f"t{uuid.uuid4().hex[:12]}") as worqr:
+        await _exhaust_and_recover(worqr, raw)
+
+
+async def test_an_exhausted_cluster_client_raises_a_worqr_error_that_says_so(
+    cluster_url: str,
+) -> None:
+    node = urllib.parse.urlsplit(cluster_url)
+    url = f"redis+cluster://{node.hostname}:{node.port}?max_connections=2&pool_timeout=0.3"
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    async with Worqr.from_url(url, prefix=prefix) as worqr:
+        cluster = worqr._redis
+        assert isinstance(cluster, WaitingCluster)
+        primary = cluster.get_node_from_key(Keys(prefix).tasks("q"))
+        assert primary is not None
+        async with Redis(host=primary.host, port=int(primary.port)) as server:
+            await _exhaust_and_recover(worqr, server)
+
+
+async def test_an_exhausted_sentinel_pool_raises_a_worqr_error_that_says_so(
+    sentinel_url: str,
+) -> None:
+    url = _with(sentinel_url, "max_connections=2&pool_timeout=0.3")
+    async with Worqr.from_url(url, prefix=f"t{uuid.uuid4().hex[:12]}") as worqr:
+        redis = worqr._redis
+        assert isinstance(redis, Redis)
+        host, port = await redis.connection_pool.get_master_address()  # type: ignore[attr-defined]
+        async with Redis(host=host, port=port) as server:
+            await _exhaust_and_recover(worqr, server)
+
+
+async def test_pool_options_in_the_url_size_every_pool() -> None:
+    sentinel = "redis+sentinel://127.0.0.1:26379/svc?max_connections=7&pool_timeout=1.5"
+    for url in (
+        "redis://127.0.0.1:1/0?max_connections=7&pool_timeout=1.5&socket_timeout=2",
+        "unix:///tmp/none.sock?max_connections=7&pool_timeout=1.5",
+        sentinel,
+    ):
+        worqr = Worqr.from_url(url)
+        try:
+            for client in (worqr._redis, worqr._once):
+                assert isinstance(client, Redis)
+                pool = client.connection_pool
+                assert isinstance(pool, WaitingPool | WaitingSentinelPool)
+                assert (pool.max_connections, pool.pool_timeout) == (7, 1.5)
+                assert "pool_timeout" not in pool.connection_kwargs
+        finally:
+            await worqr.close()
+    worqr = Worqr.from_url("redis+cluster://127.0.0.1:1?max_connections=7&pool_timeout=1.5")
+    try:
+        cluster = worqr._redis
+        assert isinstance(cluster, WaitingCluster)
+        assert (cluster.gate.limit, cluster.gate.timeout) == (7, 1.5)
+    finally:
+        await worqr.close()
+
+
+async def test_the_pool_defaults() -> None:
+    for url in ("redis://127.0.0.1:1/0", "redis+sentinel://127.0.0.1:26379/svc"):
+        worqr = Worqr.from_url(url)
+        try:
+            redis = worqr._redis
+            assert isinstance(redis, Redis)
+            pool = redis.connection_pool
+            assert isinstance(pool, WaitingPool | WaitingSentinelPool)
+            assert (pool.max_connections, pool.pool_timeout) == (
+                DEFAULT_MAX_CONNECTIONS,
+                DEFAULT_POOL_TIMEOUT,
+            )
+        finally:
+            await worqr.close()
+    worqr = Worqr.from_url("redis+cluster://127.0.0.1:1")
+    try:
+        cluster = worqr._redis
+        assert isinstance(cluster, RedisCluster) and isinstance(cluster, WaitingCluster)
+        assert (cluster.gate.limit, cluster.gate.timeout) == (
+            DEFAULT_MAX_CONNECTIONS,
+            DEFAULT_POOL_TIMEOUT,
+        )
+    finally:
+        await worqr.close()
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "max_connections=0",
+        "max_connections=x",
+        "pool_timeout=0",
+        "pool_timeout=-1",
+        "pool_timeout=x",
+    ],
+)
+@pytest.mark.parametrize(
+    "base",
+    ["redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1", "redis+sentinel://127.0.0.1:1/svc"],
+)
+def test_bad_pool_options_are_refused(base: str, query: str) -> None:
+    option = query.partition("=")[0]
+    with pytest.raises(ValueError, match=option):
+        Worqr.from_url(f"{base}?{query}")
