@@ -237,3 +237,35 @@ def test_a_peers_statistics_keep_the_most_recent_queues() -> None:
     assert stats.get("q4001").failed == 0  # the least recently used went instead
     assert stats.get("q0").completed == 0  # evicted: reads as empty
     assert stats.get("q4999").failed == 1 and list(stats.get("q4999").durations) == [0.5]
+
+
+async def test_a_queue_consumed_twice_and_deleted_is_not_taken_for_deleted_again(
+    real_make: Factory,
+) -> None:
+    """Two consume() calls on one queue, then a delete: the last one to end stops the
+    work, so a later consume() reads the deletion anew and a reconnect's re-check
+    does not end it for the old deletion."""
+    worker, admin = real_make(), real_make()
+
+    async def handler(process: Process) -> None:
+        pass
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: _working(worker, ["jobs"]))
+        await admin.delete_queue("jobs")
+        await eventually(lambda: _working(worker, []))
+    done = anyio.Event()
+
+    async def later(process: Process) -> None:
+        done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", later)
+        await eventually(lambda: _working(worker, ["jobs"]))
+        await worker._after_reconnect()
+        await admin.enqueue("jobs", "t")
+        with anyio.fail_after(5):
+            await done.wait()
+        tg.cancel_scope.cancel()
