@@ -289,3 +289,23 @@ async def test_unreadable_tasks_that_cannot_be_failed_hold_up_no_good_task(
         tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=5))
         await eventually(lambda: seen == ["good"], within=8)
         tg.cancel_scope.cancel()
+
+
+async def test_delete_queue_finds_the_processes_a_wrong_typed_holders_key_hides(
+    make: Factory, client: Client, prefix: str
+) -> None:
+    """Holders is a string, so it names nobody: the delete looks at every listed
+    worker's held set instead, and the in-process tasks go with the queue."""
+    worker, admin = make(), make()
+    await worker.start_worker()
+    await worker.start_work("jobs")
+    await admin.enqueue("jobs", ["a", "b"])
+    await client.delete(f"{prefix}:q:{{jobs}}:holders")
+    await client.set(f"{prefix}:q:{{jobs}}:holders", "x")
+    taken = [await worker.dequeue("jobs"), await worker.dequeue("jobs")]
+    assert all(process is not None for process in taken)
+    await admin.delete_queue("jobs")
+    assert await admin.get_processes("jobs") == []
+    for process in taken:
+        assert process is not None and not await worker.stop_process(process)
+    assert await admin.get_tasks("jobs") == []

@@ -465,10 +465,13 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.deaths(queue)]
 
     async def read() -> tuple[list[str], list[list[str]], list[str]]:
-        """Holders, their held ids, and the keys among those of the wrong type (which
-        read as empty, and which the next sweep deletes)."""
+        """Holders (every listed worker when holders is of the wrong type), their held
+        ids, and the keys among those of the wrong type (which read as empty, and
+        which the next sweep deletes)."""
         found = await reads(r, [("SMEMBERS", keys.holders(queue))])
         holders = members(found[0])
+        if is_wrong_type(found[0]):  # it names nobody: any listed worker may hold some
+            holders = members((await reads(r, [("SMEMBERS", keys.workers)]))[0])
         commands: list[Command] = [("SMEMBERS", keys.held(queue, w)) for w in holders]
         held = await reads(r, commands)
         wrong = wrong_keys([("SMEMBERS", keys.holders(queue))], found)
