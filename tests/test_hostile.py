@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from redis.asyncio import Redis
 
 from worqr import CorruptDataError, Process, Worqr
 from worqr._ops import Client
 
-from .helpers import Factory, eventually
+from .helpers import FAST, Factory, eventually
+from .proxy import LatencyProxy
 
 ID = "0" * 22
 DEAD = "ghost"
@@ -309,3 +311,17 @@ async def test_delete_queue_finds_the_processes_a_wrong_typed_holders_key_hides(
     for process in taken:
         assert process is not None and not await worker.stop_process(process)
     assert await admin.get_tasks("jobs") == []
+
+
+async def test_a_fleet_behind_a_slow_link_reclaims_past_every_bad_key(
+    proxy: LatencyProxy, real_client: Redis, prefix: str
+) -> None:
+    """The same with the supervising peer 3 ms (plus jitter) away from Redis."""
+    proxy.delay, proxy.jitter = 0.003, 0.0015
+    for key, command, argument in _kinds(prefix):
+        await _write(real_client, key, command, argument)
+    await _dead_worker_holding(real_client, prefix, "t")
+    async with Worqr.from_url(proxy.url, prefix=prefix, **FAST) as peer:
+        await peer.start_worker()
+        await eventually(lambda: _tasks_are(peer, "jobs", ["t"]))
+        assert await peer.fail_worker() == 0

@@ -19,6 +19,7 @@ from worqr._ops import Client, prune_queues
 from worqr._stats import LocalStats
 
 from .helpers import Factory, eventually
+from .proxy import LatencyProxy
 
 
 async def _commands(client: Redis) -> int:
@@ -269,3 +270,34 @@ async def test_a_queue_consumed_twice_and_deleted_is_not_taken_for_deleted_again
         with anyio.fail_after(5):
             await done.wait()
         tg.cancel_scope.cancel()
+
+
+async def test_pruning_through_a_slow_link_loses_no_queue(
+    proxy: LatencyProxy, redis_url: str
+) -> None:
+    """The prune race again with the pruning peer 3 ms (plus jitter) away, so its SREM
+    and its second read land between the producer's push and registration."""
+    proxy.delay, proxy.jitter = 0.003, 0.0015
+    far = Redis.from_url(proxy.url, decode_responses=True)
+    near = Worqr.from_url(redis_url, prefix=f"slow{proxy.port}")
+    keys = Keys(near.prefix)
+    try:
+        for round_ in range(5):
+            queues = [f"s{round_}-{i}" for i in range(40)]
+            await far.sadd(keys.queues, *queues)
+
+            async def prune(queues: list[str] = queues) -> None:
+                for queue in queues:
+                    await prune_queues(far, keys, [queue])
+
+            async def push(queues: list[str] = queues) -> None:
+                for queue in queues[::2]:
+                    await near.enqueue(queue, "t")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(prune)
+                tg.start_soon(push)
+            assert set(queues[::2]) <= set(await near.get_queues())
+    finally:
+        await near.close()
+        await far.aclose()

@@ -84,21 +84,16 @@ async def _read(r: Client, keys: Keys) -> _State:
         found = keys.parse(key)
         if found is not None:
             parsed.append((key, *found))
-    registries = {key: keys.type_of(key) or "" for key in keys.registries}
-    types = await reads(
-        r, [("TYPE", key) for key in registries] + [("TYPE", key) for key, *_ in parsed]
-    )
-    wrong = [
+    layout = [(key, keys.type_of(key) or "") for key in keys.registries]
+    layout += [(key, TYPES[kind]) for key, kind, _, _ in parsed]
+    types = await reads(r, [("TYPE", key) for key, _ in layout])
+    wrong = [  # "none": deleted since the SCAN
         (key, text(found), expected)
-        for (key, expected), found in zip(registries.items(), types, strict=False)
+        for (key, expected), found in zip(layout, types, strict=True)
         if text(found) not in (expected, "none")
     ]
-    good: list[tuple[str, str, str, str]] = []
-    for (key, kind, owner, rest), found in zip(parsed, types[len(registries) :], strict=True):
-        if text(found) in (TYPES[kind], "none"):  # none: deleted since the SCAN
-            good.append((key, kind, owner, rest))
-        else:
-            wrong.append((key, text(found), TYPES[kind]))
+    bad = {key for key, _, _ in wrong}
+    good = [entry for entry in parsed if entry[0] not in bad]
     process_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "p"]
     held_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "held"]
     holder_queues = [owner for _, kind, owner, _ in good if kind == "holders"]

@@ -57,6 +57,8 @@ class FailedTask:
 def readable(task: str) -> bool:
     """Whether a task read from Redis is valid UTF-8 text: worqr's clients decode
     other bytes to lone surrogates, so that they survive the round trip unchanged."""
+    if task.isascii():  # the common case, without a copy
+        return True
     try:
         task.encode("utf-8")
     except UnicodeEncodeError:

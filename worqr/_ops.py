@@ -37,7 +37,7 @@ from ._errors import (
     redis_boundary,
 )
 from ._keys import Keys
-from ._models import FailedTask, Process, WorkerInfo
+from ._models import FailedTask, Process, WorkerInfo, readable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
 
 _T = TypeVar("_T")
@@ -56,11 +56,7 @@ def text(value: bytes | str) -> str:
 def stored(task: str) -> str | bytes:
     """A task read from Redis, as it goes back to Redis: its original bytes when they
     were not valid UTF-8 (so that no client's strict encoder meets the surrogates)."""
-    try:
-        task.encode("utf-8")
-    except UnicodeEncodeError:
-        return task.encode("utf-8", "surrogateescape")
-    return task
+    return task if readable(task) else task.encode("utf-8", "surrogateescape")
 
 
 def wrong_keys(commands: Sequence[Command], replies: Sequence[Any]) -> list[str]:

@@ -421,10 +421,13 @@ class Worqr:
                 self._held[process.id] = process
         finally:
             self._taking.difference_update(reserved)
+        usable = []
         for process in taken:
-            if not readable(process.task):  # no handler can take it, and no retry helps
+            if readable(process.task):
+                usable.append(process)
+            else:  # no handler can take it, and no retry helps
                 await self._reject(process)
-        return [process for process in taken if readable(process.task)]
+        return usable
 
     async def _reject(self, process: Process) -> None:
         """Move an unreadable task to the failed list: one attempt, so that the tasks
