@@ -10,6 +10,7 @@ the verb with the venv's Python and exits with the first failing step's code.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,11 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   test   run pytest under coverage (ARGS go to pytest), then the coverage report
   lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
   demo   python -m worqr demo ARGS
+  thorough  the property tests at five times the suite's examples (ARGS go to pytest)
   chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)
   bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)
-  bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)"""
+  bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)
+  bench-jobs  python -m benchmarks.jobs ARGS (delayed jobs, results and retries against peers)"""
 
 
 def run(*cmd: str | Path) -> int:
@@ -87,6 +90,19 @@ def bench_cluster(args: list[str]) -> int:
     return run(PYTHON, "-m", "benchmarks.cluster", *args)
 
 
+def bench_jobs(args: list[str]) -> int:
+    """Run the job benchmarks: delayed-job lateness, result round trip, retry throughput."""
+    return run(PYTHON, "-m", "benchmarks.jobs", *args)
+
+
+def thorough(args: list[str]) -> int:
+    """Run the property tests with five times as many examples as the suite runs."""
+    argv = [str(PYTHON), "-m", "pytest", "tests/test_properties.py", *args]
+    print("==> WORQR_THOROUGH=1 python -m pytest tests/test_properties.py", flush=True)
+    env = {**os.environ, "WORQR_THOROUGH": "1"}
+    return subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
+
+
 def chaos(args: list[str]) -> int:
     """Run the chaos harness: faults injected into a real fleet, then the accounting."""
     return run(PYTHON, "-m", "benchmarks.chaos", *args)
@@ -95,10 +111,12 @@ def chaos(args: list[str]) -> int:
 VERBS = {
     "test": test,
     "lint": lint,
+    "thorough": thorough,
     "demo": demo,
     "chaos": chaos,
     "bench": bench,
     "bench-cluster": bench_cluster,
+    "bench-jobs": bench_jobs,
 }
 
 

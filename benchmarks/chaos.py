@@ -1,6 +1,7 @@
-"""Chaos run: prove that no task is lost, and that none runs twice without a fault to
-blame, while workers are killed, stalled and cut off, the server restarts and freezes,
-and another client writes garbage under the prefix.
+"""Chaos run: prove that no task or job is lost, that none runs twice without a fault
+to blame, and that every job's attempts run as its plan dictates, while workers are
+killed, stalled and cut off, the server restarts and freezes, and another client writes
+garbage under the prefix.
 
 ``python -m benchmarks.chaos`` runs the full run (50,000 tasks), ``--quick`` a scaled-down
 one of about a minute. It starts its own server (AOF on, ``appendfsync everysec``) on a
@@ -24,9 +25,10 @@ free loopback port and real OS processes, and drives one worker fleet through fo
    is SIGKILLed about once a second and another client writes garbage under the
    prefix four times a second: keys of the wrong type for every kind of key of a
    queue the workload does not use and of two fake workers (all listed in the
-   registries, so that supervision meets them), tasks that are not valid UTF-8 pushed
-   onto the workload's own queue (each must end in its failed list with a reason,
-   never reach a handler), malformed messages on the workload's ``events`` and
+   registries, so that supervision meets them), tasks that are not valid UTF-8 or
+   that begin as a job envelope but are none pushed onto the workload's own queue
+   (each must end in its failed list with a reason, never reach a handler),
+   malformed messages on the workload's ``events`` and
    ``done`` channels, junk records in the failed list of another queue. A peer's
    supervision must give every SIGKILLed worker's processes back within ten reclaim
    bounds of its kill, and drop the dead workers from the registry once the garbage
@@ -40,6 +42,15 @@ that blocks its event loop for longer than the worker timeout. Inputs: poison ta
 whose handler raises, a 10 MB task, unicode and binary-looking payloads, one task
 enqueued 25 times.
 
+Every phase also submits jobs, a job per ``--job-every`` (10) of its plain tasks, on
+the same queue: jobs with several attempts whose handlers fail on some, ask for a
+`Retry`, hang past their timeout or ignore its cancellation; delayed ones (``delay``
+and ``at``); some cancelled while delayed, while running or at a random moment.
+``benchmarks/chaos_jobs.py`` has the plans, the handler and the accounting of each
+job: ended exactly once, none lost, each attempt run as planned (a duplicate only where
+its worker was SIGKILLed, SIGSTOPped or fenced mid-attempt), its record, ``info()``
+and ``result()`` in agreement, nothing started before it was due, a cancel kept.
+
 Modes (they combine, and apply to every phase): ``--proxy`` puts every worker behind a
 loopback proxy that delays each chunk (``python -m tests.proxy``, run as a process of
 its own so that its forwarding shares no event loop with this one); producers, the
@@ -50,23 +61,27 @@ timeout), since a loop that runs thousands of handlers on a busy machine can lag
 the 1 s used otherwise, and then it is fenced. There is no Cluster mode: the harness
 runs one server (the Cluster's failover is tested by ``tests/test_failover.py``).
 
-It prints a markdown table (``--json``: the report as JSON on the last line too) and
+It prints a markdown table, and one of the jobs with a column per phase (``--json``:
+the report as JSON on the last line too, the jobs' figures under ``"jobs"``), and
 exits non-zero on a lost task in any phase, any duplicate in the calm phase, more
 duplicates in a faulty phase than tasks were in flight at its faults, a task finished
 twice, a garbage task that is not in the failed list with a reason or that reached a
 handler, a SIGKILLed worker of the hostile phase not reclaimed in time, ``check()``
-failing on the garbage, an orphaned key or a dead worker left registered. Timings are
-reported, never judged: a slow machine must not fail the run.
+failing on the garbage, an orphaned key, a dead worker left registered, or any
+finding of the job accounting (``chaos_jobs.failures``; each is described on stderr).
+Timings are reported, never judged: a slow machine must not fail the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -86,12 +101,17 @@ from typing import Any, cast
 import anyio
 import anyio.abc
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worqr import Process, Worqr
+from worqr import BackendUnavailableError, Process, Worqr
 from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
+
+from . import chaos_jobs
+from .chaos_jobs import Blame, JobTraffic
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "chaos"
@@ -149,6 +169,7 @@ class Settings:
     high_concurrency: bool
     phases: tuple[str, ...] = PHASES
     freezes: int = 3  # frozen phase: server SIGSTOPs
+    job_every: int = chaos_jobs.JOB_EVERY  # a job per this many plain tasks (0: none)
 
     @property
     def reclaim_bound(self) -> float:
@@ -195,6 +216,7 @@ class Settings:
             *["--proxy"] * self.proxy,
             *["--high-concurrency"] * self.high_concurrency,
             *("--phases", ",".join(self.phases), "--freezes", str(self.freezes)),
+            *("--job-every", str(self.job_every)),
         ]
 
 
@@ -234,15 +256,21 @@ def frozen_workload(settings: Settings) -> list[str]:
 
 
 def garbage_task(number: int) -> bytes:
-    """Garbage task ``number``: bytes that are not valid UTF-8, in one of five ways,
-    around an ASCII mark that names it."""
+    """Garbage task ``number``, around an ASCII mark that names it: bytes that are not
+    valid UTF-8, in one of five ways, or text that begins as a job envelope but is not
+    one, in one of four."""
     mark = f"{GARBAGE_MARK}{number:06d}".encode()
+    header = b'","a":1,"m":1,"b":[1,2,3,1],"t":null,"r":60,"e":0}\npayload'
     forms = (
         b"\xff\xfe" + mark,  # bytes that never occur in UTF-8
         mark + b"\xc3\x28",  # a lead byte without its continuation
         b"\xed\xa0\x80" + mark,  # an encoded surrogate
         b"\xc0\xaf" + mark,  # an overlong form
         mark + b"\x00\x9f\x92\x96\xe2\x82",  # binary, a stray continuation, a cut sequence
+        b"\x1ejob:" + mark,  # an envelope without its payload line
+        b"\x1ejob:{" + mark + b"\npayload",  # a header that is not JSON
+        b'\x1ejob:{"id":"' + mark + header.replace(b'"a":1', b'"a":0'),  # attempt 0
+        b'\x1ejob:{"id":"bad id ' + mark + header,  # a job id with a space
     )
     return forms[number % len(forms)]
 
@@ -258,6 +286,10 @@ def wrong_typed_keys() -> list[tuple[str, str]]:
         (KEYS.deaths(UNRELATED), "string"),  # a HASH
         (KEYS.held(UNRELATED, DEAD_GHOST), "string"),  # a SET
         (KEYS.process(UNRELATED, GHOST_PROCESS), "set"),  # a LIST
+        (KEYS.job(UNRELATED, "ghost-job"), "list"),  # a HASH
+        (KEYS.jobs(UNRELATED), "set"),  # a ZSET
+        (KEYS.delayed(UNRELATED), "hash"),  # a ZSET
+        (KEYS.deadlines(UNRELATED), "string"),  # a ZSET
     ]
     deleted = getattr(KEYS, "deleted", None)  # a STRING, in layouts that have it
     if callable(deleted):
@@ -313,31 +345,48 @@ JUNK_RECORDS = [
 # -- the worker and producer processes ------------------------------------------------------
 
 
+def dump_tasks() -> None:
+    """Write where every task of this process waits into its log (the harness asks,
+    with SIGUSR1, of a worker that does not exit on SIGTERM)."""
+    for task in asyncio.all_tasks():
+        print(f"-- {task.get_name()}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
 async def worker_main(url: str, settings: Settings) -> None:
     """A worker process: consume until SIGTERM. Each handler records its execution
     before it returns, under an id of its own, so that a write resent after a lost
     reply still counts once."""
+    # Its log (in --logs) says when and why: reclaims, fences, timeouts, lost writes;
+    # and, when it hangs on SIGTERM, where (the harness sends SIGUSR1 before SIGKILL).
+    logging.basicConfig(level=logging.INFO, format="%(created).3f %(levelname)s %(message)s")
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     record = Redis.from_pool(
         BlockingConnectionPool.from_url(url, max_connections=RECORD_CONNECTIONS, timeout=None)
     )
 
-    async def remember(*command: str | int | bytes) -> None:
-        """Run an idempotent bookkeeping command, riding out connection losses and
-        restarts."""
+    async def ask(*command: str | int | bytes) -> Any:
+        """Run a read or an idempotent bookkeeping command, riding out connection
+        losses and restarts; its reply."""
         with anyio.fail_after(30):
             while True:
                 try:
-                    await record.execute_command(*command)
-                    return
+                    return await record.execute_command(*command)
                 except (RedisConnectionError, RedisTimeoutError, OSError):
                     await anyio.sleep(0.1)
+
+    async def remember(*command: str | int | bytes) -> None:
+        await ask(*command)
 
     await remember("PING")  # the server may be restarting as this worker starts
 
     async def handler(process: Process) -> str:
-        if GARBAGE_MARK in process.task:  # bytes that are no text: no handler may get them
+        if GARBAGE_MARK in process.task:  # garbage: no handler may get it
             await remember("SADD", GARBAGE_SEEN, process.task.encode("utf-8", "replace"))
-            raise ValueError("a handler was given a task that is not valid UTF-8")
+            raise ValueError("a handler was given a garbage task")
+        if process.job_id is not None:
+            return await chaos_jobs.run_job(process, ask, KEYS)
         if process.task.startswith("poison-"):
             raise ValueError(f"poison task {process.task}")
         if process.task == "sleeper" and await record.set(SLEPT, "1", nx=True):
@@ -363,14 +412,10 @@ async def worker_main(url: str, settings: Settings) -> None:
                 worst = lag
                 await remember("HSET", LAGS, worker_id, f"{lag:.3f}")
 
-    async with Worqr.from_url(
-        url,
-        prefix=PREFIX,
-        heartbeat_interval=settings.heartbeat,
-        worker_timeout=settings.timeout,
-        cleanup_interval=settings.cleanup,
-    ) as worqr:
+    async with contextlib.AsyncExitStack() as stack:
+        worqr = await connected(stack, url, settings)
         print(worqr.worker_id, flush=True)
+        logging.getLogger("chaos").info("worker id %s", worqr.worker_id)
         worqr.on(QUEUE, on_event)
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_lag, worqr.worker_id)
@@ -380,6 +425,25 @@ async def worker_main(url: str, settings: Settings) -> None:
                     break
             tg.cancel_scope.cancel()
     await record.aclose()
+
+
+async def connected(stack: contextlib.AsyncExitStack, url: str, settings: Settings) -> Worqr:
+    """A worker's Worqr, entered on ``stack``; tried again for up to 30 s while the
+    server cannot answer (a worker may start while the server restarts or loads)."""
+    with anyio.fail_after(30):
+        while True:
+            worqr = Worqr.from_url(
+                url,
+                prefix=PREFIX,
+                heartbeat_interval=settings.heartbeat,
+                worker_timeout=settings.timeout,
+                cleanup_interval=settings.cleanup,
+            )
+            try:
+                return await stack.enter_async_context(worqr)
+            except BackendUnavailableError:
+                await worqr.close()
+                await anyio.sleep(0.1)
 
 
 async def enqueue_paced(worqr: Worqr, tasks: list[str], batch: int, seconds: float) -> None:
@@ -501,17 +565,22 @@ class Fleet:
                 child.kill()
                 child.wait()
 
-    async def shut_down(self) -> None:
+    async def shut_down(self) -> list[str]:
         """SIGTERM every worker and wait for it to exit; one that hangs is SIGKILLed
-        (and then stays registered, which the report shows)."""
+        (and then stays registered, which the report shows). The ids of those."""
+        hung = []
         for child in self.workers.values():
             child.send_signal(signal.SIGTERM)
-        for child in self.workers.values():
+        for worker_id, child in self.workers.items():
             try:
                 await anyio.to_thread.run_sync(child.wait, SHUTDOWN_LIMIT)
             except subprocess.TimeoutExpired:
+                hung.append(worker_id)
+                child.send_signal(signal.SIGUSR1)  # its stacks, into its log
+                await anyio.sleep(1.0)
                 child.kill()
                 await anyio.to_thread.run_sync(child.wait)
+        return hung
 
 
 @dataclass
@@ -529,6 +598,7 @@ class Faults:
     freezes: int = 0  # server SIGSTOPs
     frozen_for: float = 0.0  # seconds the server spent SIGSTOPped
     stopped: set[str] = field(default_factory=set)  # workers SIGSTOPped
+    cuts: list[tuple[float, float]] = field(default_factory=list)  # connections cut then
 
     def record_reclaim(self, killed_at: float, done_at: float) -> None:
         """Keep a reclaim time; one that spans a server restart is kept apart, since no
@@ -624,8 +694,10 @@ async def apply(
     # Every task in process may run twice; a producer's batch in flight may be resent.
     faults.in_flight += await in_process(raw) + fleet.settings.batch * fleet.settings.producers
     if kind == "client-kill":
+        began = time.monotonic()
         for client_type in ("normal", "pubsub"):
             await _safe(raw.execute_command("CLIENT", "KILL", "TYPE", client_type))
+        faults.cuts.append((began, time.monotonic()))
         faults.client_kills += 1
     elif kind == "stall":
         stopped = random.choice(sorted(fleet.workers))
@@ -644,6 +716,7 @@ async def apply(
         await anyio.to_thread.run_sync(server.restart)
         # Reconnecting clients back off up to 1 s after the server is back.
         faults.outages.append((began, time.monotonic() + 1.0))
+        faults.cuts.append(faults.outages[-1])
         faults.restarts += 1
 
 
@@ -754,29 +827,87 @@ class Ledger:
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)  # measured at a phase's end
     finishes: dict[str, set[str]] = field(default_factory=dict)  # frozen task -> finished ids
     stop_fenced: set[str] = field(default_factory=set)  # the stopped worker's lost leases
+    jobs: dict[str, JobTraffic] = field(default_factory=dict)  # phase -> its job traffic
+    notices: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # job -> ends
+
+    def blame(self, phase: str) -> Blame:
+        """The faults of a phase, which may explain its jobs' attempts run twice or
+        taken away (its jobs all end within it)."""
+        faults = {"fault": self.faults, "hostile": self.hostile, "frozen": self.frozen}.get(
+            phase, Faults()
+        )
+        fenced = self.fenced.get(phase, set()) | (self.stop_fenced if phase == "frozen" else set())
+        return Blame(fenced, faults.killed, faults.stopped, faults.cuts)
 
 
-async def calm_phase(fleet: Fleet, raw: Redis, braw: Redis) -> None:
-    """Enqueue the calm tasks, paced like the producers, and wait until they are done,
-    with no fault injected."""
+def job_traffic(phase: str, fleet: Fleet, producer: Worqr, waiter: Worqr, raw: Redis) -> JobTraffic:
+    """A phase's jobs (a job per ``job_every`` of its plain tasks), submitted by
+    ``producer`` and awaited by ``waiter``."""
+    settings = fleet.settings
+    tasks = {
+        "calm": settings.calm_tasks,
+        "fault": settings.tasks,
+        "frozen": settings.frozen_tasks,
+        "hostile": settings.hostile_tasks,
+    }[phase]
+    count = tasks // settings.job_every if settings.job_every else 0
+    seconds = SLOW_HANDLER if phase in ("frozen", "hostile") else settings.handler
+    specs = chaos_jobs.job_specs(phase, count, seconds, settings.timeout, settings.cleanup)
+    return JobTraffic(phase, specs, producer, waiter, raw, QUEUE)
+
+
+async def drained(raw: Redis, braw: Redis, expected: dict[str, int], jobs: JobTraffic) -> None:
+    """`settled` for the plain tasks, then for the jobs, within one `SETTLE_LIMIT`."""
+    began = time.monotonic()
+    await settled(raw, braw, expected)
+    await jobs.settle(idle(raw), max(1.0, SETTLE_LIMIT - (time.monotonic() - began)))
+
+
+def idle(raw: Redis) -> Callable[[], Awaitable[bool]]:
+    """Whether nothing is queued or in process now."""
+
+    async def check() -> bool:
+        return not await raw.llen(KEYS.tasks(QUEUE)) and not await in_process(raw)
+
+    return check
+
+
+async def calm_phase(fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger, waiter: Worqr) -> None:
+    """Enqueue the calm tasks and submit the calm jobs, paced like the producers, and
+    wait until they are done, with no fault injected."""
     settings = fleet.settings
     tasks = calm_workload(settings)
-    async with Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer:
-        await enqueue_paced(producer, tasks, settings.batch, settings.calm_duration * 0.6)
-    await settled(raw, braw, dict.fromkeys(tasks, 1))
+    seconds = settings.calm_duration * 0.6
+    async with (
+        Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer,
+        job_traffic("calm", fleet, producer, waiter, raw) as jobs,
+    ):
+        ledger.jobs["calm"] = jobs
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enqueue_paced, producer, tasks, settings.batch, seconds)
+            tg.start_soon(jobs.submit_paced, jobs.specs, seconds)
+        await drained(raw, braw, dict.fromkeys(tasks, 1), jobs)
 
 
 async def fault_phase(
-    server: EmbeddedServer, fleet: Fleet, raw: Redis, braw: Redis, faults: Faults
+    server: EmbeddedServer, fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger, waiter: Worqr
 ) -> None:
-    """Run the producers under the fault schedule and wait until the workload is done."""
+    """Run the producers and submit the jobs under the fault schedule, and wait until
+    the workload is done."""
     producers = [fleet.producer(part) for part in range(fleet.settings.producers)]
-    await inject(server, fleet, raw, faults)
-    for producer in producers:
-        code = await anyio.to_thread.run_sync(producer.wait)
-        if code:
-            raise RuntimeError(f"a producer failed with exit code {code}")
-    await settled(raw, braw, workload(fleet.settings))
+    async with (
+        Worqr.from_url(fleet.producer_url, prefix=PREFIX) as submitter,
+        job_traffic("fault", fleet, submitter, waiter, raw) as jobs,
+    ):
+        ledger.jobs["fault"] = jobs
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(jobs.submit_paced, jobs.specs, fleet.settings.duration * 0.6)
+            await inject(server, fleet, raw, ledger.faults)
+        for producer in producers:
+            code = await anyio.to_thread.run_sync(producer.wait)
+            if code:
+                raise RuntimeError(f"a producer failed with exit code {code}")
+        await drained(raw, braw, workload(fleet.settings), jobs)
 
 
 # -- the hostile phase ------------------------------------------------------------------------
@@ -1002,21 +1133,28 @@ async def watch_reclaim(
             await anyio.sleep(0.05)
 
 
-async def hostile_phase(fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger) -> None:
-    """Enqueue the hostile tasks while workers are SIGKILLed and the vandal writes
-    garbage, wait until they are done and the victims reclaimed, then record what
-    became of the garbage and take it away."""
+async def hostile_phase(
+    fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger, waiter: Worqr
+) -> None:
+    """Enqueue the hostile tasks and submit the hostile jobs while workers are
+    SIGKILLed and the vandal writes garbage, wait until they are done and the victims
+    reclaimed, then record what became of the garbage and take it away."""
     settings = fleet.settings
     faults = ledger.hostile
     tasks = hostile_workload(settings)
     vandal = Vandal(braw)
     reclaims: dict[str, float | None] = {}
-    async with Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer:
+    async with (
+        Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer,
+        job_traffic("hostile", fleet, producer, waiter, raw) as jobs,
+    ):
+        ledger.jobs["hostile"] = jobs
         async with anyio.create_task_group() as tg:
             tg.start_soon(vandal.run, settings.hostile_duration)
             seconds = settings.hostile_duration * 0.8  # four batches a second
             batch = max(1, min(settings.batch, round(len(tasks) / (seconds * 4))))
             tg.start_soon(enqueue_paced, producer, tasks, batch, seconds)
+            tg.start_soon(jobs.submit_paced, jobs.specs, seconds)
             end = time.monotonic() + settings.hostile_duration
             while time.monotonic() < end:
                 await anyio.sleep(random.uniform(0.7, 1.3))
@@ -1027,7 +1165,7 @@ async def hostile_phase(fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger) -
                         tg.start_soon(watch_reclaim, raw, victim, killed_at, limit, reclaims)
                     tg.start_soon(fleet.spawn)
         # The garbage has stopped coming, the production too; the watchers are done.
-        await settled(raw, braw, dict.fromkeys(tasks, 1))
+        await drained(raw, braw, dict.fromkeys(tasks, 1), jobs)
         listed = set(cast("set[str]", await raw.smembers(KEYS.workers))) & faults.killed
         async with Worqr.from_url(fleet.producer_url, prefix=PREFIX) as admin:
             rows = await inspect_garbage(braw, admin, vandal)
@@ -1050,11 +1188,12 @@ async def hostile_phase(fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger) -
 @dataclass
 class DoneMonitor:
     """A subscriber of the workload's ``done`` channel: which process ids finished
-    each frozen-phase task. Its connection has no timeout, so a frozen server only
-    delays its messages."""
+    each frozen-phase task, and the notices of each job's end. Its connection has no
+    timeout, so a frozen server only delays its messages."""
 
     url: str
     finishes: dict[str, set[str]] = field(default_factory=dict)
+    jobs: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # id -> notices
     messages: int = 0
     unreadable: int = 0
     interruptions: int = 0
@@ -1087,14 +1226,20 @@ class DoneMonitor:
         self.messages += 1
         try:
             records = json.loads(data.removeprefix(b"done:"))
-        except ValueError:
+        except (ValueError, RecursionError):  # the hostile phase publishes garbage here
             self.unreadable += 1
             return
         for record in records if isinstance(records, list) else ():
             if not isinstance(record, dict):
                 continue
             task, process_id = record.get("task"), record.get("process_id")
-            if isinstance(task, str) and isinstance(process_id, str) and task.startswith("frozen-"):
+            job_id = record.get("job_id")
+            if isinstance(job_id, str):  # how the job ended, and which process ended it
+                status = str(record.get("status"))
+                self.jobs.setdefault(job_id, []).append((status, str(process_id)))
+            elif (
+                isinstance(task, str) and isinstance(process_id, str) and task.startswith("frozen-")
+            ):
                 self.finishes.setdefault(task, set()).add(process_id)
 
 
@@ -1151,10 +1296,10 @@ async def freeze_worker(fleet: Fleet, raw: Redis, faults: Faults) -> tuple[str, 
 
 
 async def frozen_phase(
-    server: EmbeddedServer, fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger
+    server: EmbeddedServer, fleet: Fleet, raw: Redis, braw: Redis, ledger: Ledger, waiter: Worqr
 ) -> None:
-    """Enqueue the frozen tasks in chunks; after each, freeze the server or a worker
-    while the fleet drains; wait until they are all done."""
+    """Enqueue the frozen tasks and submit the frozen jobs in chunks; after each,
+    freeze the server or a worker while the fleet drains; wait until they are all done."""
     settings = fleet.settings
     faults = ledger.frozen
     tasks = frozen_workload(settings)
@@ -1166,10 +1311,14 @@ async def frozen_phase(
     monitor = DoneMonitor(fleet.producer_url)
     async with (
         Worqr.from_url(fleet.producer_url, prefix=PREFIX) as producer,
+        job_traffic("frozen", fleet, producer, waiter, raw) as jobs,
         anyio.create_task_group() as tg,
     ):
+        ledger.jobs["frozen"] = jobs
+        share = -(-len(jobs.specs) // len(chunks))
         await tg.start(monitor.run)
-        for number, chunk in enumerate(chunks):
+        for number, chunk in enumerate(chunks):  # jobs first: a freeze catches them running
+            await jobs.submit(jobs.specs[number * share : (number + 1) * share])
             await enqueue_paced(producer, chunk, settings.batch, 0)
             if number == len(steps):
                 break
@@ -1187,7 +1336,7 @@ async def frozen_phase(
                     for process_id in await fenced_now(raw) - fenced_before
                     if process_id.startswith(f"{stopped}/")
                 }
-        await settled(raw, braw, dict.fromkeys(tasks, 1))
+        await drained(raw, braw, dict.fromkeys(tasks, 1), jobs)
         await anyio.sleep(0.5)  # the last done messages
         tg.cancel_scope.cancel()
     ledger.finishes = monitor.finishes
@@ -1206,6 +1355,8 @@ async def frozen_phase(
 class Outcome:
     report: dict[str, Any]
     calm_duplicates: list[str]  # "task: process ids" of calm tasks that ran twice
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase -> job figures
+    job_samples: list[str] = field(default_factory=list)  # findings about jobs, described
 
 
 async def run(settings: Settings, keep_logs: str = "") -> Outcome:
@@ -1220,31 +1371,40 @@ async def run(settings: Settings, keep_logs: str = "") -> Outcome:
             if settings.proxy
             else None
         )
-        raw = Redis.from_url(server.url, decode_responses=True)
-        braw = Redis.from_url(server.url)  # bytes: garbage, and failed records
+        # The harness's own clients ride out the cut connections and restarts it causes.
+        riding = Retry(ExponentialBackoff(cap=1.0, base=0.05), 20)
+        raw = Redis.from_url(server.url, decode_responses=True, retry=riding)
+        braw = Redis.from_url(server.url, retry=riding)  # bytes: garbage, failed records
         fleet = Fleet(proxy.url if proxy else server.url, server.url, settings, logs)
         stack.callback(fleet.kill_all)
         ledger = Ledger()
         started = time.monotonic()
         for _ in range(settings.workers):
             await fleet.spawn()
-        async with anyio.create_task_group() as tg:
+        monitor = DoneMonitor(server.url)  # every job's end, over the whole run
+        async with (
+            Worqr.from_url(server.url, prefix=PREFIX) as waiter,  # awaits the jobs' results
+            anyio.create_task_group() as tg,
+        ):
             tg.start_soon(sample_holdings, raw, fleet, ledger.faults)
+            await tg.start(monitor.run)
             for phase in settings.phases:
                 fenced_before = await fenced_now(raw)
                 began = time.monotonic()
                 if phase == "calm":
-                    await calm_phase(fleet, raw, braw)
+                    await calm_phase(fleet, raw, braw, ledger, waiter)
                     ledger.calm_lag = await worst_lag(raw)
                 elif phase == "fault":
-                    await fault_phase(server, fleet, raw, braw, ledger.faults)
+                    await fault_phase(server, fleet, raw, braw, ledger, waiter)
                 elif phase == "hostile":
-                    await hostile_phase(fleet, raw, braw, ledger)
+                    await hostile_phase(fleet, raw, braw, ledger, waiter)
                 else:
-                    await frozen_phase(server, fleet, raw, braw, ledger)
+                    await frozen_phase(server, fleet, raw, braw, ledger, waiter)
                 ledger.seconds[phase] = time.monotonic() - began
                 ledger.fenced[phase] = await fenced_now(raw) - fenced_before
+            await anyio.sleep(0.5)  # the last done notices
             tg.cancel_scope.cancel()
+        ledger.notices = monitor.jobs
         async with Worqr.from_url(server.url, prefix=PREFIX) as admin:
             await converged(admin, fleet)
             outcome = await account(raw, braw, admin, fleet, ledger)
@@ -1253,10 +1413,14 @@ async def run(settings: Settings, keep_logs: str = "") -> Outcome:
         outcome.report["elapsed (s)"] = round(time.monotonic() - started, 1)
         if proxy is not None and proxy.child.poll() is not None:
             raise RuntimeError(f"the latency proxy died: see {logs / 'proxy.log'}")
-        await fleet.shut_down()
+        hung = await fleet.shut_down()
         async with Worqr.from_url(server.url, prefix=PREFIX) as admin:
             after = await admin.check()
-            outcome.report["workers listed after shutdown"] = len(await admin.get_workers())
+            listed = await admin.get_workers()
+            outcome.report["workers listed after shutdown"] = len(listed)
+            if listed:
+                exits = {w: fleet.workers[w].returncode for w in listed if w in fleet.workers}
+                print(f"listed after shutdown: {listed}; hung: {hung}; exits: {exits}")
             outcome.report["check() findings after shutdown"] = len(after.problems)
         await raw.aclose()
         await braw.aclose()
@@ -1344,7 +1508,11 @@ async def account(raw: Redis, braw: Redis, admin: Worqr, fleet: Fleet, ledger: L
             "failed (poison)": sum(
                 (task_of(r) or "").startswith("poison-") for r in failed_records
             ),
-            "quarantined": sum("quarantined" in str(r.get("error")) for r in failed_records),
+            "quarantined": sum(
+                "quarantined" in str(r.get("error"))
+                for r in failed_records
+                if r.get("job_id") is None
+            ),
             "fault lost": lost,
             "fault duplicates": duplicates,
             "fault duplicates by kind": duplicate_kinds(
@@ -1424,7 +1592,30 @@ async def account(raw: Redis, braw: Redis, admin: Worqr, fleet: Fleet, ledger: L
         "their kinds": dict(Counter(problem.kind for problem in problems)) or None,
         "dead workers listed": len(workers - set(fleet.workers)),
     }
-    return Outcome(report, twice)
+    outcome = Outcome(report, twice)
+    if any(traffic.specs for traffic in ledger.jobs.values()):
+        await account_jobs(raw, admin, ledger, failed_records, outcome)
+    return outcome
+
+
+async def account_jobs(
+    raw: Redis, admin: Worqr, ledger: Ledger, failed_records: list[dict[str, Any]], outcome: Outcome
+) -> None:
+    """The accounting of every phase's jobs (see `benchmarks.chaos_jobs`)."""
+    specs = {phase: traffic.specs for phase, traffic in ledger.jobs.items()}
+    evidence = await chaos_jobs.gather(raw, admin, QUEUE, specs, ledger.notices, failed_records)
+    for phase in PHASES:
+        if phase not in specs:
+            continue
+        blame = ledger.blame(phase)
+        tally = chaos_jobs.judge(specs[phase], evidence, blame, strict=phase == "calm")
+        outcome.jobs[phase] = chaos_jobs.rows(tally)
+        outcome.job_samples += [
+            f"{phase} jobs, {kind}: {sample}"
+            for kind, samples in tally.samples.items()
+            for sample in samples
+        ]
+    outcome.report["job records no submit or run accounts for"] = evidence.unattributed
 
 
 def _yes(flag: bool) -> str:
@@ -1446,8 +1637,9 @@ def title(settings: Settings) -> str:
         "hostile": f"{settings.hostile_tasks:,} among garbage",
         "frozen": f"{settings.frozen_tasks:,} through {settings.freezes} server freezes",
     }
+    jobs = f", and a job per {settings.job_every} tasks" if settings.job_every else ""
     return (
-        f"Chaos run, {mode}: {', then '.join(phases[p] for p in settings.phases)}; "
+        f"Chaos run, {mode}: {', then '.join(phases[p] for p in settings.phases)}{jobs}; "
         f"{settings.workers} workers x {settings.concurrency:,}, "
         f"{settings.producers} producers in batches of {settings.batch:,}, handlers "
         f"{low:g}-{high:g} ms, heartbeat {settings.heartbeat} s, timeout "
@@ -1461,6 +1653,20 @@ def table(report: dict[str, Any], settings: Settings) -> str:
     return "\n".join(lines)
 
 
+def jobs_table(jobs: dict[str, dict[str, Any]]) -> str:
+    """The jobs' figures, a column per phase."""
+    phases = list(jobs)
+    lines = [
+        "Jobs",
+        "",
+        f"| figure | {' | '.join(phases)} |",
+        f"| --- |{' --- |' * len(phases)}",
+    ]
+    for name in jobs[phases[0]]:
+        lines.append(f"| {name} | {' | '.join(str(jobs[p][name]) for p in phases)} |")
+    return "\n".join(lines)
+
+
 BOUNDS = {
     "fault": "fault duplicates bound (in flight at faults)",
     "hostile": "hostile duplicates bound (in flight at kills)",
@@ -1468,9 +1674,11 @@ BOUNDS = {
 }
 
 
-def verdict(report: dict[str, Any]) -> list[str]:
+def verdict(report: dict[str, Any], jobs: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Why the run failed, if it did: counts only, never a duration."""
     problems = []
+    for phase, figures in (jobs or {}).items():
+        problems += chaos_jobs.failures(phase, figures)
     for phase in PHASES:
         if report.get(f"{phase} lost"):
             problems.append(f"{report[f'{phase} lost']} task(s) lost in the {phase} phase")
@@ -1570,6 +1778,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument(
         "--freezes", type=int, help="frozen phase: server SIGSTOPs (default 6; 3 with --quick)"
     )
+    parser.add_argument(
+        "--job-every",
+        type=int,
+        default=chaos_jobs.JOB_EVERY,
+        metavar="N",
+        help=f"every phase submits a job per N of its plain tasks (default "
+        f"{chaos_jobs.JOB_EVERY}; 0: no jobs)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON too")
     parser.add_argument(
         "--logs",
@@ -1614,6 +1830,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
         high_concurrency=many,
         phases=tuple(phase for phase in PHASES if phase in phases),
         freezes=args.freezes or (3 if args.quick else 6),
+        job_every=max(0, args.job_every),
     )
     return args, settings
 
@@ -1630,13 +1847,18 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     outcome = anyio.run(run, settings, args.logs)
     print(table(outcome.report, settings))
+    if outcome.jobs:
+        print()
+        print(jobs_table(outcome.jobs))
     if args.json:
-        print(json.dumps(outcome.report))
-    problems = verdict(outcome.report)
+        print(json.dumps(outcome.report | {"jobs": outcome.jobs}))
+    problems = verdict(outcome.report, outcome.jobs)
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
     for sample in outcome.calm_duplicates[:SAMPLES_SHOWN]:
         print(f"calm task run twice: {sample}", file=sys.stderr)
+    for sample in outcome.job_samples:
+        print(sample, file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -435,12 +435,14 @@ FIGURES = [
 ]
 
 
-def table(results: Results, libraries: list[str]) -> str:
+def table(
+    results: Results, libraries: list[str], figures: list[tuple[str, str, bool]] = FIGURES
+) -> str:
     """The markdown table: each figure's median per library and worqr / best peer."""
     peers = [lib for lib in libraries if lib != "worqr"]
     head = ["figure", *libraries, "worqr vs best peer"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for key, title, higher_is_better in FIGURES:
+    for key, title, higher_is_better in figures:
         cells = [title]
         for library in libraries:
             value = results.median(library, key)
@@ -451,7 +453,7 @@ def table(results: Results, libraries: list[str]) -> str:
             theirs = [
                 v for p in peers if p in AT_LEAST_ONCE and (v := results.median(p, key)) is not None
             ]
-        if ours and theirs:
+        if ours and ours > 0 and theirs:
             best = max(theirs) if higher_is_better else min(theirs)
             ratio = ours / best if higher_is_better else best / ours
             cells.append(f"{ratio:.2f}x")
@@ -539,8 +541,29 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
     return lines
 
 
+JOBS_BEGIN = "<!-- jobs: benchmarks/jobs.py writes from here to the end mark -->"
+JOBS_END = "<!-- jobs: end -->"
+
+
+def jobs_part(page: str) -> str | None:
+    """The part of benchmarks.md that benchmarks/jobs.py writes, marks included."""
+    start, end = page.find(JOBS_BEGIN), page.find(JOBS_END)
+    if start < 0 or end < start:
+        return None
+    return page[start : end + len(JOBS_END)]
+
+
+def with_jobs_part(page: str, part: str) -> str:
+    """``page`` with its jobs part replaced by ``part`` (added at the end if it has none)."""
+    old = jobs_part(page)
+    if old is not None:
+        return page.replace(old, part)
+    return page.rstrip("\n") + "\n\n" + part + "\n"
+
+
 def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str]) -> None:
-    """docs/benchmarks.md (and .json, .png) from one run."""
+    """docs/benchmarks.md (and .json, .png) from one run; the jobs part of an existing
+    page (benchmarks/jobs.py) is kept."""
     out.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "samples": results.samples, "notes": results.notes}
     (out / "benchmarks.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -597,7 +620,10 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
         "",
         *(["## Notes from this run", "", *notes, ""] if notes else []),
     ]
-    (out / "benchmarks.md").write_text("\n".join(lines) + "\n")
+    page = out / "benchmarks.md"
+    kept = jobs_part(page.read_text()) if page.exists() else None
+    text = "\n".join(lines) + "\n"
+    page.write_text(text if kept is None else with_jobs_part(text, kept))
     print(table(results, libraries))
     print("\n".join(notes))
 

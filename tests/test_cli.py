@@ -85,7 +85,7 @@ def test_enqueue_from_stdin_in_batches_and_unique(server: EmbeddedServer) -> Non
         (["failed", "unknown"], 1, "unknown queue"),
         (["delete", "unknown"], 1, "unknown queue"),
         (["tasks", "bad{name"], 2, "must not contain"),
-        (["tasks", "jobs", "--limit", "zero"], 2, "invalid count value"),
+        (["tasks", "jobs", "--limit", "zero"], 2, "must be a whole number, got 'zero'"),
         (["tasks", "jobs", "--limit", "0"], 2, "must be at least 1"),
         (["watch", "--interval", "-1"], 2, "positive number of seconds"),
         (["nosuchverb"], 2, "invalid choice"),
@@ -272,6 +272,10 @@ async def render(url: str, raw: Redis) -> str:
                 assert result.returncode in (0, 1), result.stderr
                 shown = normalize(result.stdout + result.stderr)
                 parts.append(f"```console\n$ worqr {' '.join(args)}\n{shown}```\n")
+            if verb == "enqueue":
+                from .test_cli_jobs import job_sections
+
+                parts += await job_sections(url)
     finally:
         for peer in peers:
             await peer.close()
@@ -292,9 +296,11 @@ tracebacks). Read verbs take `--json` and print one JSON document whose
 shape is shown below; it is stable across releases (new fields may be added).
 
 Exit codes: `0` success; `1` the operation failed (Redis unreachable or refusing,
-wrong password, unknown queue, a duplicate unique task, `check` finding problems it
-did not repair); `2` usage (bad arguments, a malformed URL or queue name). Errors are
-one line on stderr, `worqr: error: ...`; `--debug` adds the traceback.
+wrong password, unknown queue or job, a duplicate unique task or job id, a job that
+failed under `submit --wait`, `check` finding problems it did not repair); `2` usage
+(bad arguments, a malformed URL, queue name or job id). Errors are one line on stderr,
+`worqr: error: ...` (a failed job's error as it was recorded); `--debug` adds the
+traceback.
 """
 
 

@@ -10,7 +10,7 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from worqr import Process, Worqr
+from worqr import BackendUnavailableError, Process, Worqr, _ops
 
 from .helpers import Factory, eventually
 
@@ -286,6 +286,31 @@ async def test_shutdown_waits_grace_then_hands_back(make: Factory) -> None:
         await worker.shutdown(grace=0.5)
     assert quick_done.is_set()
     assert await peer.get_tasks("jobs") == ["slow"]
+    assert await peer.get_workers() == []
+
+
+async def test_shutdown_tries_again_to_hand_back_when_the_server_was_unreachable(
+    make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shutdown whose first hand-back meets a cut connection tries again: with the
+    whole fleet shutting down, no peer would be left to reclaim the work."""
+    worker, peer = make(), make()
+    await worker.start_worker()
+    await worker.start_work("jobs")
+    await peer.enqueue("jobs", ["a", "b"])
+    assert await worker.dequeue("jobs") is not None
+    real, tries = _ops.fail_worker, []
+
+    async def cut_once(*args: object, **kwargs: object) -> object:
+        tries.append(args[2])
+        if len(tries) == 1:
+            raise BackendUnavailableError("connection lost while a transaction was in flight")
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ops, "fail_worker", cut_once)
+    await worker.shutdown(grace=0.1)
+    assert tries == [worker.worker_id] * 2
+    assert await peer.get_tasks("jobs") == ["a", "b"]
     assert await peer.get_workers() == []
 
 

@@ -428,3 +428,47 @@ async def test_a_stop_whose_reply_was_lost_reports_an_unknown_outcome_and_moves_
     with pytest.raises(BackendUnavailableError, match="may or may not"):
         await worqr.stop_process(process)  # resent, it reported False: "nothing moved"
     assert await worqr.get_tasks("jobs") == ["t1", "t2"]
+
+
+# -- an end on its way while the lease lapses ------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["finish", "fail"])
+async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
+    make: Factory, real_client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A handler ends while its lease is fresh; before its end reaches Redis the worker
+    stalls past ``worker_timeout`` and a peer reclaims the process. The end finds it
+    gone (nothing is written twice) and the process is reported ``lost``, as if the
+    heartbeat had noticed first: its listeners learn that the run was taken away."""
+    worker, peer = make(), make()
+    lost: list[str] = []
+    await worker.on("jobs", lambda kind, message: lost.append(message) if kind == "lost" else None)
+    await worker.start_worker()
+    await peer.start_worker()
+    await worker.start_work("jobs")
+    await worker.enqueue("jobs", "t")
+    taken = await worker.dequeue("jobs")
+    assert taken is not None
+    stalled = anyio.Event()
+    real = _ops.finish_many if how == "finish" else _ops.fail
+
+    async def late(*args: object, **kwargs: object) -> object:
+        """The stall, between the end's lease check and its write."""
+        supervisor = worker._supervisor
+        assert supervisor is not None
+        supervisor._last_refresh -= 10.0  # the loop was away for 10 s
+        await real_client.delete(Keys(prefix).heartbeat(worker.worker_id))
+        await peer.cleanup_workers()  # a peer took the worker for dead meanwhile
+        stalled.set()
+        return await real(*args, **kwargs)  # type: ignore[operator]
+
+    monkeypatch.setattr(_ops, "finish_many" if how == "finish" else "fail", late)
+    if how == "finish":
+        await worker._settle(taken, "finish", "ok")
+    else:
+        await worker._settle(taken, "fail", "boom")
+    assert stalled.is_set()
+    assert lost == [taken.id]
+    assert await worker.get_tasks("jobs") == ["t"]  # handed back once, to run again
+    assert await worker.get_failed("jobs") == []

@@ -12,48 +12,70 @@ from worqr import ReplicationError, Worqr
 
 from .helpers import FAST, eventually
 
+# How a test writes: a plain enqueue, a unique one, or job submits (random ids, and
+# ids given: the checked path under WATCH).
+WRITES = ["plain", "unique", "job", "job-id"]
+
+
+async def write(worqr: Worqr, how: str, queue: str, tasks: list[str]) -> None:
+    if how in ("plain", "unique"):
+        await worqr.enqueue(queue, tasks, unique=how == "unique")
+    elif how == "job":
+        await worqr.submit_many(queue, tasks)
+    else:
+        for task in tasks:
+            await worqr.submit(queue, task, job_id=f"id-{task}")
+
+
+async def payloads(worqr: Worqr, queue: str) -> list[str]:
+    """The queue's tasks, a job as its payload."""
+    return [task.rpartition("\n")[2] for task in await worqr.get_tasks(queue)]
+
 
 def _cluster_url(node_url: str) -> str:
     return node_url.replace("redis://", "redis+cluster://", 1)
 
 
-@pytest.mark.parametrize("unique", [False, True])
+@pytest.mark.parametrize("how", WRITES)
 async def test_on_a_cluster_one_replica_confirms_and_two_cannot(
-    cluster_url: str, prefix: str, unique: bool
+    cluster_url: str, prefix: str, how: str
 ) -> None:
     url = _cluster_url(cluster_url)
     async with Worqr.from_url(url, prefix=prefix, wait_replicas=1, **FAST) as worqr:
-        await worqr.enqueue("jobs", ["a", "b"], unique=unique)
+        await write(worqr, how, "jobs", ["a", "b"])
     async with Worqr.from_url(
         url, prefix=prefix, wait_replicas=2, wait_timeout=0.2, **FAST
     ) as worqr:
         started = time.monotonic()
         with pytest.raises(ReplicationError, match="only 1 of 2 replicas"):
-            await worqr.enqueue("jobs", ["c"], unique=unique)
+            await write(worqr, how, "jobs", ["c"])
         assert time.monotonic() - started >= 0.2
         # The primary has the tasks: the error says they may be lost, not that they are.
-        assert await worqr.get_tasks("jobs") == ["a", "b", "c"]
+        assert await payloads(worqr, "jobs") == ["a", "b", "c"]
 
 
-async def test_a_server_without_replicas_cannot_confirm(real_client: Redis, prefix: str) -> None:
+@pytest.mark.parametrize("how", WRITES)
+async def test_a_server_without_replicas_cannot_confirm(
+    real_client: Redis, prefix: str, how: str
+) -> None:
     worqr = Worqr(real_client, prefix=prefix, wait_replicas=1, wait_timeout=0.05, **FAST)
     async with worqr:
         with pytest.raises(ReplicationError, match="only 0 of 1 replicas"):
-            await worqr.enqueue("jobs", "a")
-        assert await worqr.get_tasks("jobs") == ["a"]
+            await write(worqr, how, "jobs", ["a"])
+        assert await payloads(worqr, "jobs") == ["a"]
 
 
-@pytest.mark.parametrize("unique", [False, True])
+@pytest.mark.parametrize("how", WRITES)
 async def test_a_wait_longer_than_the_socket_timeout_pushes_once(
-    redis_url: str, prefix: str, unique: bool
+    redis_url: str, prefix: str, how: str
 ) -> None:
     url = f"{redis_url}?socket_timeout=0.2"  # shorter than the WAIT: it must not be resent
     async with Worqr.from_url(
         url, prefix=prefix, wait_replicas=1, wait_timeout=0.6, **FAST
     ) as worqr:
         with pytest.raises(ReplicationError, match="only 0 of 1"):
-            await worqr.enqueue("jobs", "a", unique=unique)
-        assert await worqr.get_tasks("jobs") == ["a"]
+            await write(worqr, how, "jobs", ["a"])
+        assert await payloads(worqr, "jobs") == ["a"]
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,11 @@ from worqr import (
     AuthenticationFailedError,
     BackendUnavailableError,
     DuplicateTaskError,
+    JobFailedError,
+    JobStatus,
     PermissionDeniedError,
     Process,
+    Retry,
     ServerStartError,
     Worqr,
 )
@@ -42,6 +45,7 @@ WORQR_COMMANDS = (
     "hmget", "hincrby", "hdel", "del", "exists", "set", "get",
     "watch", "unwatch", "multi", "exec", "publish", "subscribe", "unsubscribe",
     "type", "pttl", "zadd", "zremrangebyscore", "zscore", "zmscore",
+    "zrange", "zrem", "time", "hset", "hgetall", "pexpire", "lpos",
 )  # fmt: skip
 """Every command worqr sends as its ACL user, each one needed: the rule in
 docs/security.md lists the same. (HELLO and AUTH run before authentication.)"""
@@ -193,6 +197,8 @@ async def exercise_everything(url: str, prefix: str) -> None:
             await eventually(reclaimed)
             assert await producer.get_tasks("manual") == ["m2", "m3"]
 
+            await exercise_jobs(producer, worker, peer)
+
             await producer.delete_queue("manual")
             await producer.delete_queue("jobs")
             await eventually(lambda: ("manual", "delete", "") in recorder.events)
@@ -201,6 +207,46 @@ async def exercise_everything(url: str, prefix: str) -> None:
                 await producer.off(queue, listener)
     kinds = {kind for queue, kind, _ in recorder.events if queue == "jobs"}
     assert kinds == {"work", "done", "cancel", "delete"}
+
+
+async def exercise_jobs(producer: Worqr, worker: Worqr, peer: Worqr) -> None:
+    """The job model: submit (with an id, delayed, with retries and a timeout), a
+    result awaited from another peer, status, info, cancel, the delayed list, a retry
+    of a failed job, and the queue's deletion."""
+
+    async def handler(process: Process) -> str:
+        if process.task == "retry" and process.attempt == 1:
+            raise Retry(0)
+        if process.task == "fail":
+            raise RuntimeError("no")
+        if process.task == "slow":
+            await anyio.sleep(10)
+        return f"did {process.task}"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobq", handler)
+        ok = await producer.submit("jobq", "ok", job_id="j1")
+        assert await peer.job("jobq", "j1").result() == "did ok"
+        assert (await ok.info()) is not None and await ok.status() == JobStatus.DONE
+        later = await producer.submit("jobq", "later", delay=0.2)
+        assert [job_id for _, job_id in await producer.get_delayed("jobq")] == [later.id]
+        assert await later.result() == "did later"
+        retried = await producer.submit("jobq", "retry", max_attempts=2)
+        assert await retried.result() == "did retry"
+        slow = await producer.submit("jobq", "slow", timeout=0.1)
+        with pytest.raises(JobFailedError, match="TimeoutError"):
+            await slow.result()
+        failed = await producer.submit("jobq", "fail")
+        with pytest.raises(JobFailedError):
+            await failed.result()
+        assert await producer.retry_failed("jobq") == 2
+        with pytest.raises(JobFailedError):
+            await failed.result()
+        parked = await producer.submit("jobq", "parked", delay=60)
+        assert await parked.cancel() and await parked.status() == JobStatus.FAILED
+        await worker.stop_work("jobq")
+    await producer.delete_queue("jobq")
+    assert await producer.job("jobq", "j1").status() == JobStatus.UNKNOWN
 
 
 # -- servers ------------------------------------------------------------------------------

@@ -59,10 +59,11 @@ async def test_bad_queue_names_are_rejected_everywhere(
             await call()
     with pytest.raises(error):
         worqr.on(queue, lambda kind, message: None)
-    state = await raw_keys(client, prefix)  # only what start_worker wrote
+    state = await raw_keys(client, prefix)  # only what start_worker (and its loops) wrote
     assert set(state) <= {
         f"{prefix}:protocol",
         f"{prefix}:workers",
+        f"{prefix}:supervisor",
         f"{prefix}:w:{{{worqr.worker_id}}}:alive",
     }
 

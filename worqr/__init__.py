@@ -8,10 +8,12 @@ from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ClosedError as ClosedError
 from ._errors import CorruptDataError as CorruptDataError
 from ._errors import DuplicateTaskError as DuplicateTaskError
+from ._errors import InvalidJobIdError as InvalidJobIdError
 from ._errors import InvalidProcessIdError as InvalidProcessIdError
 from ._errors import InvalidQueueNameError as InvalidQueueNameError
 from ._errors import InvalidTaskError as InvalidTaskError
 from ._errors import InvalidWorkerIdError as InvalidWorkerIdError
+from ._errors import JobFailedError as JobFailedError
 from ._errors import NotWorkingError as NotWorkingError
 from ._errors import PermissionDeniedError as PermissionDeniedError
 from ._errors import ProtocolVersionError as ProtocolVersionError
@@ -20,6 +22,11 @@ from ._errors import ServerStartError as ServerStartError
 from ._errors import WorkerNotStartedError as WorkerNotStartedError
 from ._errors import WorqrError as WorqrError
 from ._events import Subscribed as Subscribed
+from ._jobs import Backoff as Backoff
+from ._jobs import Job as Job
+from ._jobs import JobInfo as JobInfo
+from ._jobs import JobStatus as JobStatus
+from ._jobs import Retry as Retry
 from ._models import FailedTask as FailedTask
 from ._models import Listener as Listener
 from ._models import Process as Process
@@ -27,21 +34,27 @@ from ._models import QueueStatistics as QueueStatistics
 from ._models import WorkerInfo as WorkerInfo
 from ._worqr import Worqr as Worqr
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AuthenticationFailedError",
     "BackendError",
     "BackendUnavailableError",
+    "Backoff",
     "CheckReport",
     "ClosedError",
     "CorruptDataError",
     "DuplicateTaskError",
     "FailedTask",
+    "InvalidJobIdError",
     "InvalidProcessIdError",
     "InvalidQueueNameError",
     "InvalidTaskError",
     "InvalidWorkerIdError",
+    "Job",
+    "JobFailedError",
+    "JobInfo",
+    "JobStatus",
     "Listener",
     "NotWorkingError",
     "PermissionDeniedError",
@@ -50,6 +63,7 @@ __all__ = [
     "ProtocolVersionError",
     "QueueStatistics",
     "ReplicationError",
+    "Retry",
     "ServerStartError",
     "Subscribed",
     "WorkerInfo",

@@ -19,7 +19,7 @@ import anyio
 from ._errors import InvalidProcessIdError, is_wrong_type, redis_boundary
 from ._keys import TYPES, Keys
 from ._names import parse_process_id
-from ._ops import Client, Command, members, reads, text
+from ._ops import Client, Command, live_score, members, reads, text
 
 _SECOND_LOOK = 0.1  # seconds before a dangling id is confirmed
 
@@ -32,8 +32,13 @@ class Problem:
     """``orphan-process``, ``malformed-process``, ``dangling-process-id``,
     ``dead-worker``, ``stale-holder``, ``stale-work-list``, ``unregistered-worker``,
     ``unregistered-queue``, ``wrong-type`` (a key that is not of the type worqr's
-    layout gives it, written by some other client) or ``no-expiry`` (a heartbeat or
-    the supervision lease without its expiry, which would never end)."""
+    layout gives it, written by some other client), ``no-expiry`` (a heartbeat or
+    the supervision lease without its expiry, which would never end),
+    ``stale-deadline`` (the deadline of a process that is gone), ``dangling-job`` (a
+    live entry of the job index without its record: the id would be refused forever),
+    ``unindexed-job`` (a live job record missing from the index: its id would be
+    accepted again while it lives) or ``lost-job`` (a live job record whose envelope
+    is nowhere: queued, delayed or in process)."""
     detail: str
     queue: str | None = None
     worker_id: str | None = None
@@ -72,6 +77,11 @@ class _State:
     queues_with_tasks: set[str]
     wrong: list[tuple[str, str, str]]  # (key, found type, layout type)
     endless: list[str]  # heartbeats and the lease without expiry
+    process_tasks: dict[tuple[str, str], str]  # (queue, id) -> its (first) task
+    deadlines: dict[str, list[str]]  # queue -> process ids with a deadline
+    live_jobs: dict[tuple[str, str], str]  # (queue, job id) -> live envelope
+    records: set[tuple[str, str]]  # (queue, job id) with a record
+    indexed: set[tuple[str, str]]  # (queue, job id) live in the index
 
 
 @redis_boundary
@@ -97,7 +107,10 @@ async def _read(r: Client, keys: Keys) -> _State:
     process_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "p"]
     held_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "held"]
     holder_queues = [owner for _, kind, owner, _ in good if kind == "holders"]
-    task_queues = {owner for _, kind, owner, _ in good if kind == "tasks"}
+    task_queues = {owner for _, kind, owner, _ in good if kind in ("tasks", "delayed")}
+    deadline_queues = [owner for _, kind, owner, _ in good if kind == "deadlines"]
+    index_queues = [owner for _, kind, owner, _ in good if kind == "jobs"]
+    job_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "j"]
     workers_seen = {owner for _, kind, owner, _ in good if kind in ("alive", "queues")}
     work_lists = {owner for _, kind, owner, _ in good if kind == "queues"}
     replies = await reads(
@@ -111,6 +124,43 @@ async def _read(r: Client, keys: Keys) -> _State:
             *(("SMEMBERS", keys.holders(queue)) for queue in holder_queues),
         ],
     )
+    jobs_read = await reads(
+        r,
+        [
+            *(("LINDEX", keys.process(queue, pid), 0) for queue, pid in process_keys),
+            *(("ZRANGE", keys.deadlines(queue), 0, -1) for queue in deadline_queues),
+            *(("ZRANGE", keys.jobs(queue), "+inf", "+inf", "BYSCORE") for queue in index_queues),
+            *(("HMGET", keys.job(queue, job_id), "state", "env") for queue, job_id in job_keys),
+        ],
+    )
+    at = 0
+    process_tasks = {
+        key: text(task)
+        for key, task in zip(process_keys, jobs_read[: len(process_keys)], strict=True)
+        if isinstance(task, str | bytes)
+    }
+    at += len(process_keys)
+    deadlines = {
+        queue: members(reply)
+        for queue, reply in zip(
+            deadline_queues, jobs_read[at : at + len(deadline_queues)], strict=True
+        )
+    }
+    at += len(deadline_queues)
+    indexed = {
+        (queue, job_id)
+        for queue, reply in zip(index_queues, jobs_read[at : at + len(index_queues)], strict=True)
+        for job_id in members(reply)
+    }
+    at += len(index_queues)
+    live_jobs = {
+        key: text(fields[1])
+        for key, fields in zip(job_keys, jobs_read[at:], strict=True)
+        if not is_wrong_type(fields)
+        and fields[0] is not None
+        and text(fields[0]) in ("queued", "delayed")
+        and fields[1] is not None
+    }
     workers, queues = set(members(replies[0])), set(members(replies[1]))
     endless = [keys.supervision_lease] if replies[2] == -1 else []
     at = 3
@@ -137,7 +187,21 @@ async def _read(r: Client, keys: Keys) -> _State:
     alive = {w for w, ttl in zip(everyone, ttls, strict=True) if ttl != -2}
     endless += [keys.heartbeat(w) for w, ttl in zip(everyone, ttls, strict=True) if ttl == -1]
     return _State(
-        workers, queues, alive, lengths, held, holders, work_lists, task_queues, wrong, endless
+        workers,
+        queues,
+        alive,
+        lengths,
+        held,
+        holders,
+        work_lists,
+        task_queues,
+        wrong,
+        endless,
+        process_tasks,
+        deadlines,
+        live_jobs,
+        set(job_keys),
+        indexed,
     )
 
 
@@ -265,4 +329,133 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
         problems.append(Problem("wrong-type", f"a {found} where worqr keeps a {expected}", key=key))
     for key in sorted(state.endless):
         problems.append(Problem("no-expiry", "a key worqr always sets with an expiry", key=key))
+    problems += await _job_problems(r, keys, state)
+    return problems
+
+
+async def _in_process(r: Client, keys: Keys, queues: list[str]) -> set[tuple[str, str]]:
+    """(queue, task) of every process of ``queues`` now."""
+    holders = await reads(r, [("SMEMBERS", keys.holders(q)) for q in queues])
+    pairs = [(q, w) for q, reply in zip(queues, holders, strict=True) for w in members(reply)]
+    held = await reads(r, [("SMEMBERS", keys.held(q, w)) for q, w in pairs])
+    pids = [(q, pid) for (q, _), reply in zip(pairs, held, strict=True) for pid in members(reply)]
+    tasks = await reads(r, [("LINDEX", keys.process(q, pid), 0) for q, pid in pids])
+    return {
+        (q, text(task))
+        for (q, _), task in zip(pids, tasks, strict=True)
+        if isinstance(task, str | bytes)
+    }
+
+
+async def _unindexed(r: Client, keys: Keys, state: _State) -> list[tuple[str, str]]:
+    """Live job records whose id is not live in the index (a wrong-typed index deleted
+    by a repair, or another client's writes), confirmed by a second read: a record
+    and its index entry change in one transaction, but the first read of a Cluster
+    node is no snapshot."""
+    found = sorted(set(state.live_jobs) - state.indexed)
+    if not found:
+        return []
+    commands: list[Command] = []
+    for queue, job_id in found:
+        commands += [
+            ("ZSCORE", keys.jobs(queue), job_id),
+            ("HGET", keys.job(queue, job_id), "state"),
+        ]
+    replies = await reads(r, commands)
+    return [
+        entry
+        for entry, score, state_now in zip(found, replies[::2], replies[1::2], strict=True)
+        if not live_score(score)
+        and isinstance(state_now, str | bytes)
+        and text(state_now) in ("queued", "delayed")
+    ]
+
+
+async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:
+    """The findings about jobs: deadlines of gone processes, index entries without a
+    record, live records whose envelope is nowhere (each confirmed by a second look)."""
+    stale = [
+        (queue, pid)
+        for queue, pids in sorted(state.deadlines.items())
+        for pid in pids
+        if (queue, pid) not in state.process_lengths
+    ]
+    if stale:  # the SCAN came before the deadlines were read: look at those again
+        await anyio.sleep(_SECOND_LOOK)
+        commands: list[Command] = []
+        for queue, pid in stale:
+            commands += [
+                ("EXISTS", keys.process(queue, pid)),
+                ("ZSCORE", keys.deadlines(queue), pid),
+            ]
+        replies = await reads(r, commands)
+        stale = [
+            entry
+            for entry, exists, score in zip(stale, replies[::2], replies[1::2], strict=True)
+            if not exists and score is not None and not is_wrong_type(score)
+        ]
+    problems = [
+        Problem("stale-deadline", "the deadline of a process that is gone", queue, None, pid)
+        for queue, pid in stale
+    ]
+    problems += [
+        Problem(
+            "dangling-job",
+            f"job {job_id!r} is indexed as live but has no record",
+            queue,
+            key=keys.job(queue, job_id),
+        )
+        for queue, job_id in sorted(state.indexed - state.records)
+    ]
+    problems += [
+        Problem(
+            "unindexed-job",
+            f"job {job_id!r} is live but missing from the index",
+            queue,
+            key=keys.job(queue, job_id),
+        )
+        for queue, job_id in await _unindexed(r, keys, state)
+    ]
+    in_process = {(queue, task) for (queue, _), task in state.process_tasks.items()}
+    candidates = sorted(
+        (queue, job_id, env)
+        for (queue, job_id), env in state.live_jobs.items()
+        if (queue, env) not in in_process
+    )
+    for _ in range(2):  # a look, and a second one a moment later: jobs move meanwhile
+        if not candidates:
+            break
+        commands = []
+        for queue, job_id, env in candidates:
+            commands += [
+                ("LPOS", keys.tasks(queue), env),
+                ("ZSCORE", keys.delayed(queue), env),
+                ("HMGET", keys.job(queue, job_id), "env"),
+            ]
+        replies = await reads(r, commands)
+        running = await _in_process(r, keys, sorted({queue for queue, _, _ in candidates}))
+        candidates = [
+            candidate
+            for candidate, (position, score, current) in zip(
+                candidates,
+                zip(replies[::3], replies[1::3], replies[2::3], strict=True),
+                strict=True,
+            )
+            if position is None
+            and score is None
+            and not is_wrong_type(current)
+            and current[0] is not None
+            and text(current[0]) == candidate[2]
+            and (candidate[0], candidate[2]) not in running
+        ]
+        await anyio.sleep(_SECOND_LOOK)
+    problems += [
+        Problem(
+            "lost-job",
+            f"job {job_id!r} is live but its envelope is nowhere",
+            queue,
+            key=keys.job(queue, job_id),
+        )
+        for queue, job_id, _ in candidates
+    ]
     return problems

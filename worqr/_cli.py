@@ -1,8 +1,9 @@
 """The ``worqr`` command line: inspect, act on and work queues from a terminal.
 
 Exit codes: 0 success; 1 the operation failed (Redis unreachable, refused, a check
-that found problems, an unknown queue); 2 usage (bad arguments, a malformed URL or
-name). Errors are one line on stderr; ``--debug`` adds the traceback.
+that found problems, an unknown queue or job, a job that failed under submit --wait);
+2 usage (bad arguments, a malformed URL, name or job id). Errors are one line on
+stderr; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from . import _loop
-from ._errors import WorqrError
+from ._envelope import unwrap
+from ._errors import JobFailedError, WorqrError
 from ._names import check_queue
 from ._worqr import Worqr
 
@@ -30,6 +32,7 @@ class CommandError(Exception):
     """A verb's operation failed for a reason the user should read (exit code 1)."""
 
 
+_N = TypeVar("_N", int, float)
 Verb = Callable[[Worqr, argparse.Namespace, TextIO], Awaitable[int]]
 
 
@@ -105,8 +108,20 @@ async def cmd_tasks(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     tasks = await worqr.get_tasks(await known_queue(worqr, args.queue))
     if args.limit is not None:
         tasks = tasks[: args.limit]
-    emit(out, args, tasks, "\n".join(_cell(task) for task in tasks))
+    emit(out, args, tasks, "\n".join(_cell(_task_text(task)) for task in tasks))
     return OK
+
+
+def _task_text(stored: str) -> str:
+    """A stored task as a person reads it: a job as its id, attempt and payload."""
+    try:
+        envelope = unwrap(stored)
+    except ValueError:  # begins like an envelope but is none: shown as it is
+        envelope = None
+    if envelope is None:
+        return stored
+    head = envelope.header
+    return f"[job {head.id}, attempt {head.attempt} of {head.max_attempts}] {envelope.payload}"
 
 
 async def cmd_processes(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
@@ -119,6 +134,8 @@ async def cmd_processes(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> 
             "queue": p.queue,
             "task": p.task,
             "age": round(max(0.0, now - p.dequeued_at), 3),
+            "job_id": p.job_id,
+            "attempt": p.attempt,
         }
         for p in await worqr.get_processes(queue)
     ]
@@ -146,11 +163,18 @@ async def cmd_workers(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> in
 async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     failed = await worqr.get_failed(await known_queue(worqr, args.queue))
     data = [
-        {"task": f.task, "error": f.error, "worker_id": f.worker_id, "failed_at": f.failed_at}
+        {
+            "task": f.task,
+            "error": f.error,
+            "worker_id": f.worker_id,
+            "failed_at": f.failed_at,
+            "job_id": f.job_id,
+            "attempts": f.attempts,
+        }
         for f in failed
     ]
-    rows = [[f.task, f.error, f.worker_id, _when(f.failed_at)] for f in failed]
-    emit(out, args, data, table(rows, ["TASK", "ERROR", "WORKER", "FAILED AT (UTC)"]))
+    rows = [[f.task, f.job_id, f.error, f.worker_id, _when(f.failed_at)] for f in failed]
+    emit(out, args, data, table(rows, ["TASK", "JOB", "ERROR", "WORKER", "FAILED AT (UTC)"]))
     return OK
 
 
@@ -271,6 +295,85 @@ async def cmd_check(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     return OK if report.ok or report.repaired else FAILED
 
 
+async def cmd_submit(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    job = await worqr.submit(
+        args.queue,
+        args.payload,
+        job_id=args.id,
+        max_attempts=args.max_attempts,
+        backoff=args.backoff,
+        timeout=args.timeout,
+        delay=args.delay,
+        result_ttl=args.result_ttl,
+        unique=args.unique,
+    )
+    if not args.wait and args.wait_timeout is None:
+        emit(out, args, {"id": job.id}, job.id)
+        return OK
+    try:
+        result = await job.result(timeout=args.wait_timeout)
+    except TimeoutError:
+        raise CommandError(
+            f"job {job.id!r} did not end within {args.wait_timeout:g} s (it goes on)"
+        ) from None
+    except JobFailedError as exc:  # its error goes to stderr, exit 1
+        failed = {"id": job.id, "status": "failed", "error": exc.error, "attempts": exc.attempts}
+        emit(out, args, failed, "")
+        raise
+    done = {"id": job.id, "status": "done", "result": result}
+    emit(out, args, done, "" if result is None else _cell(result))
+    return OK
+
+
+async def cmd_job(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    job = worqr.job(args.queue, args.id)  # no known_queue: an idle queue's outcomes stay
+    if args.cancel:
+        if not await job.cancel():
+            raise CommandError(f"job {job.id!r} had already ended (or is unknown)")
+        emit(out, args, {"id": job.id, "cancelled": True}, f"cancelled job {job.id}")
+        return OK
+    info = await job.info()
+    if info is None:
+        raise CommandError(
+            f"unknown job {job.id!r} in queue {job.queue!r}"
+            " (never submitted, deleted, or its outcome expired)"
+        )
+    data = {
+        "id": info.id,
+        "queue": info.queue,
+        "status": info.status.value,
+        "attempts": info.attempts,
+        "max_attempts": info.max_attempts,
+        "result": info.result,
+        "error": info.error,
+        "enqueued_at": info.enqueued_at,
+        "due_at": info.due_at,
+        "finished_at": info.finished_at,
+    }
+    rows: list[list[str | None]] = [
+        ["queue", info.queue],
+        ["status", info.status.value],
+        ["attempts", f"{info.attempts} of {info.max_attempts}"],
+        ["result", info.result],
+        ["error", info.error],
+        ["enqueued at (UTC)", _when(info.enqueued_at)],
+        ["due at (UTC)", None if info.due_at is None else _when(info.due_at)],
+        ["finished at (UTC)", None if info.finished_at is None else _when(info.finished_at)],
+    ]
+    emit(out, args, data, table(rows, ["JOB", info.id]))
+    return OK
+
+
+async def cmd_delayed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    queue = await known_queue(worqr, args.queue)
+    delayed = await worqr.get_delayed(queue, args.limit or sys.maxsize)
+    now = time.time()
+    data = [{"id": job_id, "due_at": due} for due, job_id in delayed]
+    rows = [[job_id, _when(due), due - now] for due, job_id in delayed]
+    emit(out, args, data, table(rows, ["ID", "DUE AT (UTC)", "IN (S)"]))
+    return OK
+
+
 async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     from ._run import serve
 
@@ -344,6 +447,62 @@ def parser() -> argparse.ArgumentParser:
     enqueue.add_argument("tasks", nargs="*", metavar="TASK")
     enqueue.add_argument("--unique", action="store_true", help="refuse live duplicates")
     enqueue.add_argument("--stdin", action="store_true", help="read one task per line")
+    submit = verb("submit", cmd_submit, "submit a job; print its id (with --wait, its result)")
+    submit.add_argument("queue")
+    submit.add_argument("payload")
+    submit.add_argument("--id", metavar="ID", help="the job's id (default: a new unique one)")
+    submit.add_argument(
+        "--max-attempts",
+        type=count,
+        default=1,
+        metavar="N",
+        help="runs before it fails for good (default: 1)",
+    )
+    submit.add_argument(
+        "--backoff",
+        type=seconds_or_zero,
+        metavar="S",
+        help="seconds between attempts (default: 1, doubling up to 300, jittered)",
+    )
+    submit.add_argument(
+        "--timeout",
+        type=seconds,
+        metavar="S",
+        help="seconds an attempt may run (default: no limit)",
+    )
+    submit.add_argument(
+        "--delay", type=seconds_or_zero, metavar="S", help="seconds from now before it may start"
+    )
+    submit.add_argument(
+        "--result-ttl",
+        type=seconds_or_zero,
+        default=86400.0,
+        metavar="S",
+        help="seconds its outcome stays readable after it ends (default: 86400)",
+    )
+    submit.add_argument(
+        "--unique", action="store_true", help="an id made from the payload: refuse live duplicates"
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="wait for its end: print the result, or exit 1"
+    )
+    submit.add_argument(
+        "--wait-timeout",
+        type=seconds,
+        metavar="S",
+        help="with --wait (implied): give up waiting after S seconds, exit 1 (default: never)",
+    )
+    job = verb("job", cmd_job, "show a job: status, attempts, result or error, times")
+    job.add_argument("queue")
+    job.add_argument("id")
+    job.add_argument(
+        "--cancel",
+        action="store_true",
+        help="cancel it instead (remove it if waiting, else cancel its attempt); exit 1 if ended",
+    )
+    delayed = verb("delayed", cmd_delayed, "list a queue's delayed jobs, next due first")
+    delayed.add_argument("queue")
+    delayed.add_argument("--limit", type=count, help="show at most N")
     cancel = verb("cancel", cmd_cancel, "remove every queued copy of a task, announce it")
     cancel.add_argument("queue")
     cancel.add_argument("task")
@@ -377,30 +536,49 @@ def parser() -> argparse.ArgumentParser:
 RUN_CONTRACT = """work a queue with any program: one child process per task.
 
 Each task starts COMMAND (no shell) with the task on stdin and in WORQR_TASK (up to
-32 KiB), and WORQR_QUEUE, WORQR_PROCESS_ID, WORQR_WORKER_ID in its environment. Its
-stdout and stderr go to the log, line by line, with the process id. Exit 0 finishes
-the task, with the last line of stdout as its result; any other exit moves the task to
-the failed list with "CommandFailed: exit code N: <end of stderr>". A cancel event for a
-running task stops its child (SIGTERM, SIGKILL 5 s later) and finishes the task. SIGTERM
-or SIGINT to worqr run stops taking work, lets running children finish for up to --grace
-seconds, then stops them and hands their tasks back to the front of the queue. If worqr
-run is killed outright (SIGKILL, a crash), on Linux each child gets SIGKILL with it;
-processes a child started run on unless it passes that on (exec its last command, or
-setpriv --pdeathsig KILL). Elsewhere children outlive a killed worqr run."""
+32 KiB), and WORQR_QUEUE, WORQR_PROCESS_ID, WORQR_WORKER_ID, WORQR_ATTEMPT and
+WORQR_MAX_ATTEMPTS (and for a job WORQR_JOB_ID) in its environment. Its stdout and
+stderr go to the log, line by line, with the process id. Exit 0 finishes the task, with
+the last line of stdout as its result; any other exit fails the attempt with
+"CommandFailed: exit code N: <end of stderr>": a job with attempts left is tried again
+after its backoff, anything else goes to the failed list. A job's attempt that runs past
+its timeout has its child stopped (SIGTERM, SIGKILL 0.5 s later) and fails. A cancel
+event for a running task stops its child (SIGTERM, SIGKILL 5 s later) and finishes the
+task (a job ends as cancelled). SIGTERM or SIGINT to worqr run stops taking work, lets
+running children finish for up to --grace seconds, then stops them and hands their tasks
+back to the front of the queue. If worqr run is killed outright (SIGKILL, a crash), on
+Linux each child gets SIGKILL with it; processes a child started run on unless it passes
+that on (exec its last command, or setpriv --pdeathsig KILL). Elsewhere children outlive
+a killed worqr run."""
 
 
 def count(value: str) -> int:
-    number = int(value)
+    number = _number(value, int, "a whole number")
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return number
 
 
 def seconds(value: str) -> float:
-    number = float(value)
+    number = _number(value, float, "a number of seconds")
     if not 0 < number < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
     return number
+
+
+def seconds_or_zero(value: str) -> float:
+    number = _number(value, float, "a number of seconds")
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return number
+
+
+def _number(value: str, kind: Callable[[str], _N], what: str) -> _N:
+    """``value`` read as ``kind``, or an argparse error that says what was expected."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
@@ -415,8 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     top = parser()
     command = None
-    if "--" in arguments:  # for run, everything after -- is the COMMAND
-        cut = arguments.index("--")
+    cut = arguments.index("--") if "--" in arguments else 0
+    if "run" in arguments[:cut]:  # for run, everything after -- is the COMMAND
         probe, _ = top.parse_known_args(arguments[:cut])
         if probe.verb == "run":
             arguments, command = arguments[:cut], arguments[cut + 1 :]
@@ -449,5 +627,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(args: argparse.Namespace, code: int, exc: BaseException) -> int:
     if args.debug:
         traceback.print_exception(exc)
-    print(f"worqr: error: {exc}", file=sys.stderr)
+    print("worqr: error: " + " / ".join(str(exc).split("\n")), file=sys.stderr)
     return code

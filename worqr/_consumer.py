@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import sys
+import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -11,6 +15,7 @@ import anyio
 
 from ._errors import BackendError, CorruptDataError
 from ._events import work_count
+from ._jobs import Retry
 from ._log import PeerLog
 from ._models import Process
 
@@ -20,6 +25,7 @@ _MAX_BACKOFF = 2.0
 _TAKE_LIMIT = 10.0
 _HAND_BACK_LIMIT = 10.0
 _HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
+_TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
 
 
 class Host(Protocol):
@@ -27,7 +33,15 @@ class Host(Protocol):
 
     async def _take(self, queue: str, count: int, *, announced: bool) -> list[Process]: ...
 
-    async def _settle(self, process: Process, outcome: str, detail: str | None) -> None: ...
+    async def _settle(
+        self,
+        process: Process,
+        outcome: str,
+        detail: str | None,
+        *,
+        trace: str = "",
+        delay: float | None = None,
+    ) -> None: ...
 
     def _report_corrupt(self, keys: Sequence[str]) -> None: ...
 
@@ -36,7 +50,9 @@ class Consumer:
     """Runs up to ``concurrency`` handlers for one queue until told to stop.
 
     Why a handler ends decides what happens to its process: returned -> finished;
-    raised -> failed list; ``cancel`` event -> finished (not requeued); lease lost,
+    raised (or raised `Retry`, or ran past a job's timeout) -> a failed attempt (the
+    failed list, or another attempt of a job); ``cancel`` event -> finished (a job:
+    ended as cancelled; not requeued); lease lost,
     queue deleted, work stopped -> nothing (Redis already moved it); the caller
     cancelled `consume` -> back to the front of the queue.
     """
@@ -74,7 +90,7 @@ class Consumer:
             if self._dequeuing:  # the dequeue in flight may return it
                 self._cancelled_meanwhile.add(message)
             for process, _ in list(self._running.values()):
-                if process.task == message:
+                if process.stored == message:
                     self._end(process.id, "cancelled")
         elif kind == "lost":
             self._end(message, "lost")
@@ -94,11 +110,26 @@ class Consumer:
                 self._end(pid, outcome)
         self._wake.set()
 
-    def _end(self, pid: str, outcome: str) -> None:
-        """Cancel a running handler once, recording why (which decides its outcome)."""
+    def _end_now(self, pid: str, outcome: str) -> None:
+        """Record why a handler that already returned ends otherwise (no cancel)."""
         if pid in self._running and pid not in self._ending:
             self._ending[pid] = outcome
-            self._running[pid][1].cancel()
+
+    def _end(self, pid: str, outcome: str) -> None:
+        """Cancel a running handler, recording why (the first reason decides its
+        outcome). Asked again (a shutdown, a lost lease after a timeout), it cancels
+        again: a handler that went on (it, or a library under it, swallowed the
+        cancellation) would otherwise hold its slot, and a shutdown, for good."""
+        entry = self._running.get(pid)
+        if entry is None:
+            return
+        if pid in self._ending:
+            self._log.warning(
+                "cancelling again a handler that went on after its cancellation",
+                extra={"queue": self.queue, "process_id": pid},
+            )
+        self._ending.setdefault(pid, outcome)
+        entry[1].cancel()
 
     async def wait_idle(self) -> None:
         """Wait until no handler runs."""
@@ -196,7 +227,7 @@ class Consumer:
                 for late in reversed(taken[position:]):
                     await self._host._settle(late, "requeue", None)
                 return
-            if process.task in self._cancelled_meanwhile:
+            if process.stored in self._cancelled_meanwhile:
                 await self._host._settle(process, "cancelled", None)
                 continue
             self._start(process)
@@ -204,41 +235,84 @@ class Consumer:
     def _start(self, process: Process) -> None:
         """Run the handler in an asyncio task of its own (cheaper than a task group
         child with a cancel scope, which matters at thousands of tasks per second)."""
-        task = asyncio.get_running_loop().create_task(self._run_one(process))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._run_one(process))
         self._running[process.id] = (process, task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if process.timeout is not None:  # a job's attempt: cancelled when it runs over
+            timer = loop.call_later(process.timeout, self._end, process.id, _TIMED_OUT)
+            task.add_done_callback(lambda _: timer.cancel())
         if self._idle.is_set():
             self._idle = anyio.Event()
 
     async def _run_one(self, process: Process) -> None:
-        outcome, detail = "finish", None
+        outcome, detail, trace, delay = "finish", None, "", None
+        error: BaseException | None = None  # what the handler raised, for the log
+        started = time.monotonic()
         try:
-            result = await self._handler(process)
+            running = self._handler(process)
+            if not inspect.isawaitable(running):
+                raise TypeError(
+                    "handler must be an async function (or return an awaitable),"
+                    f" not return {type(running).__name__}"
+                )
+            result = await running
             if result is not None and not isinstance(result, str):
                 raise TypeError(f"handler must return str or None, not {type(result).__name__}")
             detail = result
+            if process.timeout is not None and time.monotonic() - started > process.timeout:
+                self._end_now(process.id, _TIMED_OUT)  # it ran over without yielding
         except asyncio.CancelledError:
             if process.id not in self._ending:
                 raise  # not ours (the event loop is closing)
+        except Retry as exc:
+            outcome, detail, delay = "retry", f"Retry: {exc}", exc.delay
+            if process.attempt >= process.max_attempts:
+                detail += f", but attempt {process.attempt} of {process.max_attempts} was the last"
         except Exception as exc:
-            self._log.exception(
-                "handler failed", extra={"queue": process.queue, "process_id": process.id}
-            )
-            outcome, detail = "fail", f"{type(exc).__name__}: {exc}"
+            outcome, detail, error = "fail", f"{type(exc).__name__}: {exc}", exc
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if process.id in self._ending:  # cancelled by us, even if the handler swallowed it
             _uncancel()
-            outcome, detail = self._ending.pop(process.id), None
+            outcome, detail, trace = self._ending.pop(process.id), None, ""
             if outcome == _HANDED_BACK:  # the loop hands it back, in queue order
                 return
+            if outcome == _TIMED_OUT:
+                detail = (
+                    f"TimeoutError: attempt {process.attempt} ran past its timeout"
+                    f" of {process.timeout:g} s"
+                )
+        last = process.attempt >= process.max_attempts
+        if detail is not None and (
+            outcome in ("fail", _TIMED_OUT) or (outcome, last) == ("retry", True)
+        ):
+            self._failed(process, detail, error if outcome == "fail" else None)
         self._running.pop(process.id, None)
         try:  # no shield needed: only `_end` cancels this task, and not after the pop
-            await self._host._settle(process, outcome, detail)
+            await self._host._settle(process, outcome, detail, trace=trace, delay=delay)
         finally:
             if not self._running:
                 self._idle.set()
             if self._backlog:
                 self._wake.set()
+
+    def _failed(self, process: Process, detail: str, exc: BaseException | None = None) -> None:
+        """Log a failed attempt: a warning when another attempt comes, else an error
+        (with the traceback of ``exc``, if given)."""
+        what = "handler failed" if process.job_id is None else f"job {process.job_id} failed"
+        last = process.attempt >= process.max_attempts
+        self._log.log(
+            logging.ERROR if last else logging.WARNING,
+            "%s (attempt %d of %d%s): %s",
+            what,
+            process.attempt,
+            process.max_attempts,
+            "" if last else ", another follows",
+            detail,
+            exc_info=exc if last else None,
+            extra={"queue": process.queue, "process_id": process.id},
+        )
 
 
 def _uncancel() -> None:

@@ -7,12 +7,15 @@
     ├── InvalidWorkerIdError       (also a ValueError)
     ├── InvalidProcessIdError      (also a ValueError)
     ├── InvalidTaskError           (also a ValueError)
+    ├── InvalidJobIdError          (also a ValueError)
     ├── WorkerNotStartedError
     ├── NotWorkingError
     ├── DuplicateTaskError
     ├── ClosedError
     ├── ServerStartError
     ├── ProtocolVersionError
+    ├── JobFailedError
+    ├── Retry                      (raised by handlers: another attempt, please)
     └── BackendError
         ├── BackendUnavailableError
         ├── CorruptDataError
@@ -55,6 +58,10 @@ class InvalidTaskError(WorqrError, ValueError):
     """Raised when a task cannot be stored (e.g. a string that is not valid Unicode)."""
 
 
+class InvalidJobIdError(WorqrError, ValueError):
+    """Raised when a job id has forbidden characters or length."""
+
+
 class WorkerNotStartedError(WorqrError):
     """Raised when worker-only work is asked of a `Worqr` whose worker is not started."""
 
@@ -77,6 +84,17 @@ class ServerStartError(WorqrError):
 
 class ProtocolVersionError(WorqrError):
     """Raised when the data under a prefix was written with another protocol version."""
+
+
+class JobFailedError(WorqrError):
+    """Raised by `Job.result` for a job that ended in the failed list (or was
+    cancelled): ``error`` is its last error, ``attempts`` how many attempts ran."""
+
+    def __init__(self, job_id: str, error: str, attempts: int) -> None:
+        super().__init__(f"job {job_id!r} failed after {attempts} attempt(s): {error}")
+        self.job_id = job_id
+        self.error = error
+        self.attempts = attempts
 
 
 class BackendError(WorqrError):

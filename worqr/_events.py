@@ -51,7 +51,7 @@ from ._log import PeerLog
 from ._models import Listener
 from ._ops import text
 
-CHANNEL_EVENTS = frozenset({"work", "cancel", "delete", "done"})
+CHANNEL_EVENTS = frozenset({"work", "cancel", "delete", "done", "delayed"})
 """The event types that travel on channels (``lost`` is made by a worker for itself)."""
 
 Hook = Callable[[str, str], None]
@@ -119,6 +119,7 @@ class Events:
         self._listeners: dict[str, list[Listener]] = {}
         self._hooks: dict[str, list[Hook]] = {}
         self._pinned: set[str] = set()
+        self._done_watch: dict[str, Hook] = {}  # queues whose done channel a hook needs
         self._confirmed: set[str] = set()
         self._changed: anyio.Event | None = None
         self._settled: dict[str, anyio.Event] = {}
@@ -159,6 +160,17 @@ class Events:
             self._hooks.pop(queue, None)
         self._poke_loop()
 
+    def watch_done(self, queue: str, hook: Hook) -> None:
+        """Subscribe to the queue's ``done`` channel for ``hook`` too (job waiters)."""
+        self.unwatch_done(queue)
+        self._done_watch[queue] = hook
+        self.add_hook(queue, hook)
+
+    def unwatch_done(self, queue: str) -> None:
+        hook = self._done_watch.pop(queue, None)
+        if hook is not None:
+            self.remove_hook(queue, hook)
+
     def pin(self, queue: str) -> None:
         """Keep a queue subscribed while the worker works on it."""
         self._pinned.add(queue)
@@ -173,12 +185,12 @@ class Events:
         on or listened to, its ``done`` channel only while it has listeners."""
         control = self._pinned | self._listeners.keys() | self._hooks.keys()
         return {self._channel(q) for q in control} | {
-            self._channel(q, done=True) for q in self._listeners
+            self._channel(q, done=True) for q in self._listeners.keys() | self._done_watch.keys()
         }
 
     def _in_sync(self, queue: str) -> bool:
         """Whether the server-side subscriptions of ``queue`` are the wanted ones."""
-        done = queue in self._listeners
+        done = queue in self._listeners or queue in self._done_watch
         control = done or queue in self._pinned or queue in self._hooks
         return control == (self._channel(queue) in self._confirmed) and done == (
             self._channel(queue, done=True) in self._confirmed
@@ -403,6 +415,10 @@ class Events:
             await pubsub.subscribe(*add)
             requested |= add
         if drop:
+            # Unconfirmed from now: wanted again before the server confirms the
+            # unsubscription, a channel is in effect only once it confirms the new
+            # subscription (messages in between are not delivered).
+            self._confirmed -= drop
             await pubsub.unsubscribe(*drop)
             requested -= drop
         for queue in list(self._settled):

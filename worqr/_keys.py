@@ -85,6 +85,27 @@ class Keys:
         """LIST holding the one task of an in-process process."""
         return f"{self.prefix}:q:{{{queue}}}:p:{process_id}"
 
+    def job(self, queue: str, job_id: str) -> str:
+        """HASH: a job's record (``env`` its envelope while it lives, ``state``,
+        ``attempts``, ``max``, ``enqueued``, ``due``, ``result``, ``error``,
+        ``finished``); once the job ended, its outcome, expiring after its result TTL."""
+        return f"{self.prefix}:q:{{{queue}}}:j:{job_id}"
+
+    def jobs(self, queue: str) -> str:
+        """ZSET of the queue's job ids: score +inf while the job lives, else when its
+        record expires (Unix ms); entries past their score are trimmed as jobs end."""
+        return f"{self.prefix}:q:{{{queue}}}:jobs"
+
+    def delayed(self, queue: str) -> str:
+        """ZSET of envelopes not to be handed out before their score (Unix ms, server
+        time): delayed jobs and retries waiting out their backoff."""
+        return f"{self.prefix}:q:{{{queue}}}:delayed"
+
+    def deadlines(self, queue: str) -> str:
+        """ZSET of process ids of jobs with a timeout, scored by the time (Unix ms,
+        server time) after which any peer may take the process away."""
+        return f"{self.prefix}:q:{{{queue}}}:deadlines"
+
     def events(self, queue: str) -> str:
         """Pub/sub channel of the queue's control events (``work``, ``cancel``,
         ``delete``), messages ``type:message``; every worker of the queue listens."""
@@ -128,8 +149,9 @@ class Keys:
         """``(kind, owner, rest)`` of a per-queue or per-worker key, None for others.
 
         kind is the key's last word (``tasks``, ``failed``, ``unique``, ``deaths``,
-        ``holders``, ``held``, ``p``, ``alive``, ``queues``); owner is the queue or the
-        worker in the hash tag; rest is the worker of ``held`` or the id of ``p``.
+        ``holders``, ``held``, ``p``, ``j``, ``jobs``, ``delayed``, ``deadlines``,
+        ``alive``, ``queues``); owner is the queue or the worker in the hash tag; rest
+        is the worker of ``held``, the id of ``p`` or the job id of ``j``.
         """
         for scope, kinds in (("q", _QUEUE_KEYS), ("w", _WORKER_KEYS)):
             head = f"{self.prefix}:{scope}:{{"
@@ -139,7 +161,7 @@ class Keys:
             if not closed:
                 return None
             kind, _, rest = tail.partition(":")
-            if kind in kinds and (bool(rest) == (kind in ("held", "p"))):
+            if kind in kinds and (bool(rest) == (kind in ("held", "p", "j"))):
                 return kind, owner, rest
         return None
 
@@ -152,10 +174,28 @@ TYPES = {
     "holders": "set",
     "held": "set",
     "p": "list",
+    "j": "hash",
+    "jobs": "zset",
+    "delayed": "zset",
+    "deadlines": "zset",
     "alive": "string",
     "queues": "set",
 }
 """The Redis type of each kind of per-queue and per-worker key (see `Keys.parse`)."""
 
-_QUEUE_KEYS = frozenset({"tasks", "failed", "unique", "deaths", "holders", "held", "p"})
+_QUEUE_KEYS = frozenset(
+    {
+        "tasks",
+        "failed",
+        "unique",
+        "deaths",
+        "holders",
+        "held",
+        "p",
+        "j",
+        "jobs",
+        "delayed",
+        "deadlines",
+    }
+)
 _WORKER_KEYS = frozenset({"alive", "queues"})

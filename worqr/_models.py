@@ -3,23 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ._envelope import Envelope
 from ._names import parse_process_id
 
 Listener = Callable[[str, str], Awaitable[None] | None]
 """An event listener: ``listener(type, message)``, a plain or a coroutine function."""
 
-EVENT_TYPES = frozenset({"work", "cancel", "delete", "done", "lost"})
+EVENT_TYPES = frozenset({"work", "cancel", "delete", "done", "lost", "delayed"})
 
 
 @dataclass(frozen=True, slots=True)
 class Process:
-    """A task being worked on: ``id`` finishes or stops exactly this copy of ``task``."""
+    """A task being worked on: ``id`` finishes or stops exactly this copy of ``task``.
+
+    For a job, ``task`` is its payload, and ``job_id``, ``attempt`` (1-based) and
+    ``max_attempts`` say which job and attempt this is; a plain task has no job id
+    and is attempt 1 of 1."""
 
     id: str
     task: str
     queue: str
+    job_id: str | None = None
+    attempt: int = 1
+    max_attempts: int = 1
+    envelope: Envelope | None = field(default=None, repr=False, compare=False)
+    """The job's envelope as stored (None for a plain task): how the job travels."""
+
+    @property
+    def stored(self) -> str:
+        """The task exactly as the queue holds it (a job's envelope)."""
+        return self.task if self.envelope is None else self.envelope.raw
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds this attempt may run (a job's ``timeout``), None for no limit."""
+        return None if self.envelope is None else self.envelope.header.timeout
 
     @property
     def worker_id(self) -> str:
@@ -42,6 +62,14 @@ class FailedTask:
     worker_id: str
     failed_at: float
     """Unix time, by the failing worker's clock (for display only)."""
+    job_id: str | None = None
+    """The job's id; None for a plain task."""
+    attempts: int = 1
+    """How many attempts ran (1 for a plain task)."""
+    traceback: str = ""
+    """The traceback of the last attempt's exception, when it raised one."""
+    envelope: str | None = field(default=None, repr=False, compare=False)
+    """A job's last envelope as stored: `Worqr.retry_failed` submits it anew from it."""
 
     @property
     def raw(self) -> bytes:

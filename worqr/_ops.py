@@ -9,13 +9,15 @@ crash between them loses nothing (docs/diagrams/cluster.md gives the argument).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
@@ -26,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._connections import Client as Client
 from ._connections import Pinned, on_slot, pinned
+from ._envelope import Envelope, Header, unwrap, wrap
 from ._errors import (
     BackendError,
     BackendUnavailableError,
@@ -36,6 +39,7 @@ from ._errors import (
     is_wrong_type,
     redis_boundary,
 )
+from ._jobs import Backoff
 from ._keys import Keys
 from ._models import FailedTask, Process, WorkerInfo, readable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
@@ -100,8 +104,8 @@ async def read(client: Client | Pipeline, *command: str | int | float) -> Any:
 
 
 def _corrupt(key: str, found: str | None = None) -> CorruptDataError:
-    what = f"a {found}" if found else "of another type"
-    return CorruptDataError(f"{key} is {what} than worqr's layout gives it", key)
+    what = f"a {found}, not" if found else "of another type than"
+    return CorruptDataError(f"{key} is {what} the type worqr's layout gives it", key)
 
 
 async def _require(pipe: Pipeline, key: str, kind: str) -> None:
@@ -139,16 +143,33 @@ listener, and the ``cancel`` and ``delete`` events behind it would be lost."""
 _DONE_MESSAGE_LIMIT = 1 << 20  # characters of records one ``done`` message carries
 
 
-def done_record(process_id: str, worker_id: str, task: str, result: str | None) -> str:
+def done_record(
+    process_id: str | None,
+    worker_id: str,
+    task: str,
+    result: str | None,
+    *,
+    job_id: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+) -> str:
     """One finished process, as JSON; a ``done`` message is a JSON array of these. A
     task or result longer than `DONE_FIELD_LIMIT` is cut there, with ``"truncated":
-    true``."""
+    true``. A job's record also has ``job_id`` (``task`` is its payload) and, when
+    it ended failed, ``"status": "failed"`` and its ``error``."""
     record: dict[str, Any] = {
         "process_id": process_id,
         "worker_id": worker_id,
         "task": task[:DONE_FIELD_LIMIT],
         "result": None if result is None else result[:DONE_FIELD_LIMIT],
     }
+    if job_id is not None:
+        record["job_id"] = job_id
+        record["status"] = "done" if error is None else "failed"
+        if attempts is not None:
+            record["attempts"] = attempts
+        if error is not None:
+            record["error"] = error[:DONE_FIELD_LIMIT]
     if len(task) > DONE_FIELD_LIMIT or len(result or "") > DONE_FIELD_LIMIT:
         record["truncated"] = True
     return json.dumps(record)
@@ -270,9 +291,12 @@ async def _optimistic(
     return await on_slot(r, watch[0], attempts)
 
 
-async def _register_after(r: Client, keys: Keys, queue: str, push: Awaitable[_T]) -> _T:
-    """Run a push, then add the queue to the registry: also when the push's outcome is
-    unknown or its WAIT fell short, since the tasks may be there."""
+async def _register_after(
+    r: Client, keys: Keys, queue: str, push: Awaitable[_T], *, registered: bool = False
+) -> _T:
+    """Run a push, then add the queue to the registry (unless the push ``registered``
+    it itself, inside its transaction): also when the push's outcome is unknown or
+    its WAIT fell short, since the tasks may be there."""
     try:
         outcome = await push
     except (DuplicateTaskError, CorruptDataError):
@@ -281,7 +305,8 @@ async def _register_after(r: Client, keys: Keys, queue: str, push: Awaitable[_T]
         with contextlib.suppress(RedisError, OSError):
             await call(r, "SADD", keys.queues, queue)
         raise
-    await reads(r, [("SADD", keys.queues, queue)])  # a wrong-typed registry: check's
+    if not registered:
+        await reads(r, [("SADD", keys.queues, queue)])  # a wrong-typed registry: check's
     return outcome
 
 
@@ -443,11 +468,14 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     The registry entry goes after the data, and comes back if the queue's next life
     began meanwhile (tasks pushed, or a process taken from them): `enqueue` registers
     after its push, so a queue with tasks or processes is never left unregistered.
-    Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, deaths; queues.
+    Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, deaths, delayed,
+    deadlines, jobs, j:<id>...; queues.
       0. SISMEMBER queues queue                                 -> known
-      1. SMEMBERS holders;  SMEMBERS held:<w> (per holder)     -> ids
+      1. SMEMBERS holders;  ZRANGE jobs 0 -1;  SMEMBERS held:<w> (per holder) -> ids
       2. MULTI
-      3. DEL tasks failed unique deaths p:<id>...
+      3. DEL tasks failed unique deaths delayed deadlines j:<job>... p:<id>...
+         ZREM jobs <job>...                             (the ids read: a job submitted
+                                                          since is found by the next read)
       4. SREM held:<w> <id>...                                  (per holder)
       5. PUBLISH events delete:                                 (first pass)
       6. EXEC
@@ -458,26 +486,44 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
       9. SREM queues queue
      10. EXISTS tasks holders                   -> any: SADD queues queue
     """
-    doomed = [keys.tasks(queue), keys.failed(queue), keys.unique(queue), keys.deaths(queue)]
+    doomed = [
+        keys.tasks(queue),
+        keys.failed(queue),
+        keys.unique(queue),
+        keys.deaths(queue),
+        keys.delayed(queue),
+        keys.deadlines(queue),
+    ]
 
     async def read() -> tuple[list[str], list[list[str]], list[str]]:
         """Holders (every listed worker when holders is of the wrong type), their held
-        ids, and the keys among those of the wrong type (which read as empty, and
-        which the next sweep deletes)."""
-        found = await reads(r, [("SMEMBERS", keys.holders(queue))])
+        ids, and the keys to delete besides `doomed`: those of the wrong type (which
+        read as empty) and the records of the queue's jobs."""
+        found = await reads(
+            r, [("SMEMBERS", keys.holders(queue)), ("ZRANGE", keys.jobs(queue), 0, -1)]
+        )
+        jobs = [keys.jobs(queue)] if is_wrong_type(found[1]) else []
+        ids.clear()
+        ids.extend(members(found[1]))
+        jobs += [keys.job(queue, job_id) for job_id in ids]
+        found = found[:1]
         holders = members(found[0])
         if is_wrong_type(found[0]):  # it names nobody: any listed worker may hold some
             holders = members((await reads(r, [("SMEMBERS", keys.workers)]))[0])
         commands: list[Command] = [("SMEMBERS", keys.held(queue, w)) for w in holders]
         held = await reads(r, commands)
         wrong = wrong_keys([("SMEMBERS", keys.holders(queue))], found)
-        return holders, [members(reply) for reply in held], wrong + wrong_keys(commands, held)
+        wrong += wrong_keys(commands, held)
+        return holders, [members(reply) for reply in held], wrong + jobs
 
+    ids: list[str] = []  # the job ids the last read found in the index
     (known,) = await reads(r, [("SISMEMBER", keys.queues, queue)])
     holders, held, wrong = await read()
     for attempt in range(_DELETE_PASSES):
         processes = [keys.process(queue, pid) for pids in held for pid in pids]
         sweep: list[Command] = [("DEL", *doomed, *wrong, *processes)]
+        if ids:  # by id, not the whole index: a job submitted meanwhile stays indexed,
+            sweep.append(("ZREM", keys.jobs(queue), *ids))  # so the next read finds it
         sweep += [
             ("SREM", keys.held(queue, worker_id), *pids)
             for worker_id, pids in zip(holders, held, strict=True)
@@ -509,17 +555,22 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
 
 @redis_boundary
 async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> int:
-    """Move the oldest ``limit`` (default all) failed tasks to the back of the queue.
+    """Move the oldest ``limit`` (default all) failed tasks to the back of the queue; a
+    job goes back as a new life with a fresh set of attempts.
 
-    Keys: queues (SET), failed (LIST of JSON records), tasks (LIST).
+    Keys: queues (SET), failed (LIST of JSON records), tasks (LIST); jobs' j:<id>, jobs.
       1. WATCH failed;  LRANGE failed 0 limit-1      -> records (none: UNWATCH, 0)
          TYPE tasks                                   -> not a list: UNWATCH, raise
+         (jobs) WATCH j:<id>...;  ZMSCORE jobs <id>... -> live ids (submitted anew
+                                                         since): their records stay
       2. MULTI
-      3. LTRIM failed <n> -1
-      4. RPUSH tasks task...
-      5. PUBLISH events work:<n>
-      6. EXEC                                         -> nil: back to 1
-      7. SADD queues queue                            (if any moved: after the push)
+      3. LTRIM failed <n> -1;  LPUSH failed <record of a live id>...  (order kept)
+      4. RPUSH tasks task...                          (a job: its envelope, attempt 1)
+      5. per job: DEL j:<id>;  HSET j:<id> env <envelope> state queued attempts 0
+                  max <m> enqueued <e>;  ZADD jobs +inf <id>
+      6. PUBLISH events work:<n>
+      7. EXEC                                         -> nil: back to 1
+      8. SADD queues queue                            (if any moved: after the push)
     """
 
     async def body(pipe: Pipeline) -> int:
@@ -528,12 +579,37 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
         if not records:
             return 0
         await _require(pipe, keys.tasks(queue), "list")  # else the records would be lost
-        tasks = [parse_failed(record).task for record in records]
+        failed = [(text(record), parse_failed(record)) for record in records]
+        lives = [(raw, task, _new_life(task)) for raw, task in failed]
+        ids = [env.header.id for _, _, env in lives if env is not None]
+        live: set[str] = set()
+        if ids:  # an id submitted anew since is that job's now: its old life waits
+            await pipe.watch(*(keys.job(queue, job_id) for job_id in ids))
+            scores = await read(pipe, "ZMSCORE", keys.jobs(queue), *ids)
+            live = {job_id for job_id, score in zip(ids, scores, strict=True) if live_score(score)}
+        kept, moved = [], []
+        for raw, task, env in lives:  # one life per id: a second record of it waits
+            if env is not None and env.header.id in live:
+                kept.append(raw)
+                continue
+            moved.append((task, env))
+            if env is not None:
+                live.add(env.header.id)
         pipe.multi()
-        pipe.execute_command("LTRIM", keys.failed(queue), len(tasks), -1)
-        pipe.execute_command("RPUSH", keys.tasks(queue), *map(stored, tasks))
-        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
-        return len(tasks)
+        pipe.execute_command("LTRIM", keys.failed(queue), len(failed), -1)
+        if kept:
+            pipe.execute_command("LPUSH", keys.failed(queue), *reversed(kept))
+        if moved:
+            pipe.execute_command(
+                "RPUSH",
+                keys.tasks(queue),
+                *(stored(task.task) if env is None else env.raw for task, env in moved),
+            )
+            for _, env in moved:
+                if env is not None:
+                    _record_job(pipe, keys, queue, env, "queued")
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(moved))))
+        return len(moved)
 
     if limit is not None and limit <= 0:
         return 0
@@ -541,6 +617,48 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
     if moved:  # after the push, as `enqueue` (a wrong-typed registry: check's)
         await reads(r, [("SADD", keys.queues, queue)])
     return moved
+
+
+def _new_life(task: FailedTask) -> Envelope | None:
+    """The envelope a failed job is retried with (attempt 1 again); None for a plain
+    task (or a job record whose envelope is unreadable: its payload goes back plain)."""
+    if task.envelope is None:
+        return None
+    found = envelope_of(task.envelope)
+    if found is None:
+        return None
+    header = found.header.first_attempt()
+    return Envelope(header, found.payload, wrap(header, found.payload))
+
+
+def _record_job(
+    pipe: Pipeline, keys: Keys, queue: str, env: Envelope, state: str, due: int | None = None
+) -> None:
+    """Queue the writes of a job's record at the start of a life (submit, retry of a
+    failed job): a fresh hash, live in the index.
+
+      DEL j:<id>;  HSET j:<id> env <envelope> state <state> attempts 0 max <m>
+      enqueued <e> [due <due>];  ZADD jobs +inf <id>
+    """
+    header = env.header
+    record = keys.job(queue, header.id)
+    fields: list[str | int] = [
+        "env",
+        env.raw,
+        "state",
+        state,
+        "attempts",
+        header.attempt - 1,
+        "max",
+        header.max_attempts,
+        "enqueued",
+        header.enqueued_at,
+    ]
+    if due is not None:
+        fields += ["due", due]
+    pipe.execute_command("DEL", record)
+    pipe.execute_command("HSET", record, *fields)
+    pipe.execute_command("ZADD", keys.jobs(queue), "+inf", header.id)
 
 
 @redis_boundary
@@ -579,6 +697,7 @@ def parse_failed(record: bytes | str) -> FailedTask:
     or not of this shape) is returned whole as the task, with an error saying so, so
     that listing, retrying and deleting failed tasks go on around it."""
     raw = text(record)
+    unreadable = FailedTask(task=raw, error="unreadable failed record", worker_id="", failed_at=0.0)
     try:
         data = json.loads(raw)
         task, error, worker_id, failed_at = (
@@ -587,11 +706,429 @@ def parse_failed(record: bytes | str) -> FailedTask:
             data["worker_id"],
             float(data["failed_at"]),
         )
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
-        return FailedTask(task=raw, error="unreadable failed record", worker_id="", failed_at=0.0)
-    if not all(isinstance(value, str) for value in (task, error, worker_id)):
-        return FailedTask(task=raw, error="unreadable failed record", worker_id="", failed_at=0.0)
-    return FailedTask(task=task, error=error, worker_id=worker_id, failed_at=failed_at)
+        job_id, attempts = data.get("job_id"), data.get("attempts", 1)
+        trace, envelope = data.get("traceback", ""), data.get("envelope")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        return unreadable
+    if not all(isinstance(value, str) for value in (task, error, worker_id, trace)):
+        return unreadable
+    if not (job_id is None or isinstance(job_id, str)) or not (
+        envelope is None or isinstance(envelope, str)
+    ):
+        return unreadable
+    return FailedTask(
+        task=task,
+        error=error,
+        worker_id=worker_id,
+        failed_at=failed_at,
+        job_id=job_id,
+        attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else 1,
+        traceback=trace,
+        envelope=envelope,
+    )
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+DUE_EVENT = "delayed"
+"""The event announcing a due time (``delayed:<unix ms>``): workers of the queue wake
+then to promote what is due."""
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One job to submit: its first envelope, and when it is due (None: now)."""
+
+    envelope: Envelope
+    due_ms: int | None
+
+
+@redis_boundary
+async def submit(
+    r: Client,
+    once: Client,
+    keys: Keys,
+    queue: str,
+    jobs: Sequence[Submission],
+    *,
+    check: bool,
+    wait: tuple[int, int] | None = None,
+) -> int | None:
+    """Submit jobs: each a fresh record, its envelope at the back of the queue or in
+    the delayed set. With ``check`` (ids given by the caller), none is written if one
+    of the ids is live (queued, delayed or running) in the queue: `DuplicateTaskError`.
+    With ``wait`` (replicas, timeout in ms), return how many replicas confirmed it.
+
+    Keys: j:<id>... (HASH), jobs (ZSET), tasks (LIST), delayed (ZSET); queues.
+      1. (check) WATCH j:<id>...;  ZMSCORE jobs <id>...  -> any +inf: UNWATCH, raise
+      2. MULTI
+      3. per job: DEL j:<id>;  HSET j:<id> env .. state queued|delayed attempts 0
+                  max .. enqueued .. [due ..];  ZADD jobs +inf <id>
+      4. RPUSH tasks <envelope>...                 (jobs due now, in order)
+      5. ZADD delayed <due> <envelope> ...         (the others)
+      6. PUBLISH events work:<n>;  PUBLISH events delayed:<earliest due>
+      7. SADD queues queue                         (one server: after the push, inside
+                                                    the transaction)
+      8. EXEC                                      -> nil: back to 1
+      9. WAIT <replicas> <timeout>                 (with ``wait``: on the connection
+                                                    of 1-8, never resent)
+     10. SADD queues queue                         (a Cluster: its own slot, after 8)
+    Without ``check`` (fresh random ids) steps 2-8 are one round trip, through
+    ``once`` (a client that never resends, see `_atomic`): a resent transaction whose
+    first reply was lost would queue the job twice. The outcome is then unknown:
+    `BackendUnavailableError`.
+    """
+    ids = [job.envelope.header.id for job in jobs]
+    if len(set(ids)) != len(ids):
+        raise DuplicateTaskError("the same job id appears twice in one submit")
+    ready = [job.envelope.raw for job in jobs if job.due_ms is None]
+    later = [job for job in jobs if job.due_ms is not None]
+    registers = isinstance(r, Redis)  # one server: the registry joins the transaction
+
+    def writes(pipe: Pipeline) -> None:
+        for job in jobs:
+            state = "queued" if job.due_ms is None else "delayed"
+            _record_job(pipe, keys, queue, job.envelope, state, job.due_ms)
+        if ready:
+            pipe.execute_command("RPUSH", keys.tasks(queue), *ready)
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(ready))))
+        if later:
+            pairs = [part for job in later for part in (job.due_ms, job.envelope.raw)]
+            pipe.execute_command("ZADD", keys.delayed(queue), *pairs)
+            earliest = min(job.due_ms or 0 for job in later)
+            pipe.execute_command("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest)))
+        if registers:
+            pipe.execute_command("SADD", keys.queues, queue)
+
+    async def body(client: Client, pipe: Pipeline) -> None:
+        # Beside the watch, in one round trip: the ids in the index, and the types of
+        # the keys the push writes (a push failing inside MULTI would replace the
+        # records of ended lives, their outcomes, for nothing).
+        scores, *types = await reads(
+            client,
+            [
+                ("ZMSCORE", keys.jobs(queue), *ids),
+                ("TYPE", keys.tasks(queue)),
+                ("TYPE", keys.delayed(queue)),
+            ],
+        )
+        if is_wrong_type(scores):  # ids cannot be checked against the index: refused
+            await pipe.reset()
+            raise _corrupt(keys.jobs(queue))
+        for key, kind, found, needed in (
+            (keys.tasks(queue), "list", types[0], ready),
+            (keys.delayed(queue), "zset", types[1], later),
+        ):
+            if needed and text(found) not in (kind, "none"):
+                await pipe.reset()
+                raise _corrupt(key, text(found))
+        live = [job_id for job_id, score in zip(ids, scores, strict=True) if live_score(score)]
+        if live:
+            await pipe.reset()
+            raise DuplicateTaskError(f"job {live[0]!r} is already queued, delayed or running")
+        pipe.multi()
+        writes(pipe)
+
+    async def transaction(node: Redis) -> list[Any]:
+        async with node.pipeline(transaction=True) as pipe:
+            writes(pipe)
+            try:
+                return _unless_wrong(await pipe.execute(raise_on_error=False))
+            except MaxConnectionsError:
+                raise  # no connection, nothing sent
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                raise _unknown_outcome() from exc
+
+    async def pushed(client: Client, node_once: Client) -> None:
+        if check:
+            watch = [keys.job(queue, job_id) for job_id in ids]
+            _, replies = await _optimistic(client, watch, functools.partial(body, client))
+        else:
+            replies = await on_slot(node_once, keys.tasks(queue), transaction)
+        if registers:
+            replies = replies[:-1]  # a wrong-typed registry fails only its SADD: check's
+        # The records come first (3 commands a job), then the pushes. A wrong-typed
+        # index fails only its ZADD: the job is queued and recorded (check reports
+        # the index, and the repair indexes the live jobs anew); a given id is refused
+        # before (its duplicates cannot be checked). A push that met a wrong-typed key
+        # (not checked on this path, for one round trip): withdraw the records.
+        if any(is_wrong_type(reply) for reply in replies[3 * len(jobs) :]):
+            await reads(r, [("DEL", *(keys.job(queue, job_id) for job_id in ids))])
+            await reads(r, [("ZREM", keys.jobs(queue), *ids)])
+            raise CorruptDataError(
+                f"{keys.tasks(queue)} or {keys.delayed(queue)} is of another type than"
+                " worqr's layout gives it",
+                keys.tasks(queue),
+            )
+
+    if wait is None:
+        await _register_after(r, keys, queue, pushed(r, once), registered=registers)
+        return None
+
+    async def waited(node: Redis, wait: tuple[int, int] = wait) -> int:
+        async with pinned(node) as one:  # WAIT counts the writes of its own connection
+            await pushed(one.client, one.client)
+            return await _wait(one, wait)
+
+    return await _register_after(
+        r, keys, queue, on_slot(once, keys.tasks(queue), waited), registered=registers
+    )
+
+
+def live_score(score: Any) -> bool:
+    """Whether a ``jobs`` score says the job lives (+inf)."""
+    if score is None or isinstance(score, Exception):
+        return False
+    try:
+        return float(text(score) if isinstance(score, bytes | str) else score) == float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
+_PROMOTE_BATCH = 1000  # envelopes one promotion moves at most
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What one promotion did."""
+
+    moved: int
+    next_due_ms: int | None
+    """The due time of the earliest job still delayed, None if none."""
+    now_ms: int
+    """The server's time the promotion judged by."""
+
+
+@redis_boundary
+async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
+    """Move the jobs whose due time has come (by the server's ``TIME``) from the
+    delayed set to the back of the queue, earliest first.
+
+    WATCH makes it safe for every worker of the queue to try at once: one moves each
+    job, the others find it gone and re-read. Only what is due is read, and the one
+    entry after it (the next due time), however many jobs wait for later.
+      1. WATCH delayed
+      2. TIME                                         -> now (ms)
+      3. ZRANGE delayed -inf <now> BYSCORE LIMIT 0 1000 WITHSCORES     -> those due
+         ZRANGE delayed (<now> +inf BYSCORE LIMIT 0 1 WITHSCORES     -> the next due
+                                                         (both in one round trip)
+         (none due: UNWATCH)
+      4. MULTI
+      5. ZREM delayed <envelope>...
+      6. RPUSH tasks <envelope>...
+      7. HSET j:<id> state queued;  HDEL j:<id> due   (per job)
+      8. PUBLISH events work:<n>
+      9. EXEC                                         -> nil: back to 1
+     10. SADD queues queue
+    """
+    delayed = keys.delayed(queue)
+
+    async def body(pipe: Pipeline) -> Promotion:
+        seconds, micros = await call(pipe, "TIME")
+        now = int(text(seconds)) * 1000 + int(text(micros)) // 1000
+        # Read beside the watch (the watch still covers them), in one round trip.
+        head, after = await reads(
+            r,
+            [
+                (
+                    "ZRANGE",
+                    delayed,
+                    "-inf",
+                    now,
+                    "BYSCORE",
+                    "LIMIT",
+                    0,
+                    _PROMOTE_BATCH,
+                    "WITHSCORES",
+                ),
+                ("ZRANGE", delayed, f"({now}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
+            ],
+        )
+        _raise_wrong([("ZRANGE", delayed)], [head])
+        due = [text(member) for member, _ in _pairs(head)]
+        moving = [stored(member) for member in due]  # written back as they are stored
+        later = [_ms(score) for _, score in _pairs(after)]
+        next_due = later[0] if later else None
+        if len(due) == _PROMOTE_BATCH:
+            next_due = now  # more may be due: the caller promotes again at once
+        if not due:
+            await pipe.reset()
+            return Promotion(0, next_due, now)
+        await _require(pipe, keys.tasks(queue), "list")
+        pipe.multi()
+        pipe.execute_command("ZREM", keys.delayed(queue), *moving)
+        pipe.execute_command("RPUSH", keys.tasks(queue), *moving)
+        for member in due:
+            job_id = _job_id(member)
+            if job_id is not None:
+                pipe.execute_command("HSET", keys.job(queue, job_id), "state", "queued")
+                pipe.execute_command("HDEL", keys.job(queue, job_id), "due")
+        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(due))))
+        return Promotion(len(due), next_due, now)
+
+    done, _ = await _optimistic(r, [keys.delayed(queue)], body)
+    if done.moved:
+        await reads(r, [("SADD", keys.queues, queue)])
+    return done
+
+
+def _pairs(reply: Any) -> list[tuple[Any, Any]]:
+    """A WITHSCORES reply as (member, score) pairs, whether the client paired them."""
+    if reply and not isinstance(reply[0], list | tuple):
+        return list(zip(reply[::2], reply[1::2], strict=True))
+    return [(member, score) for member, score in reply]
+
+
+def _job_id(task: str) -> str | None:
+    envelope = envelope_of(task)
+    return None if envelope is None else envelope.header.id
+
+
+def job_label(task: str) -> str:
+    """A job's id, or for anything else in a delayed set, its first characters."""
+    job_id = _job_id(task)
+    return job_id if job_id is not None else repr(task[:40])
+
+
+@redis_boundary
+async def next_due(r: Client, keys: Keys, queues: Sequence[str]) -> list[int | None]:
+    """The earliest due time in each queue's delayed set (Unix ms), None for none.
+
+    1. ZRANGE delayed 0 0 WITHSCORES             (per queue, one round trip)
+    """
+    replies = await reads(r, [("ZRANGE", keys.delayed(q), 0, 0, "WITHSCORES") for q in queues])
+    return [_first_due(reply) for reply in replies]
+
+
+@redis_boundary
+async def delayed_jobs(r: Client, keys: Keys, queue: str, limit: int) -> list[tuple[int, str]]:
+    """The delayed set, next first: (due time in Unix ms, stored envelope).
+
+    1. ZRANGE delayed 0 <limit - 1> WITHSCORES
+    """
+    reply = await read(r, "ZRANGE", keys.delayed(queue), 0, limit - 1, "WITHSCORES")
+    found = [(_ms(score), text(member)) for member, score in _pairs(reply)]
+    return [(due, member) for due, member in found if due is not None]
+
+
+@redis_boundary
+async def set_deadlines(
+    r: Client, keys: Keys, queue: str, deadlines: Sequence[tuple[str, int]]
+) -> None:
+    """Record when peers may take processes of jobs with a timeout away (Unix ms,
+    server time: the timeout plus a grace from the dequeue).
+
+    1. ZADD deadlines <deadline> <id> ...
+    """
+    pairs = [part for pid, deadline in deadlines for part in (deadline, pid)]
+    await reads(r, [("ZADD", keys.deadlines(queue), *pairs)])
+
+
+@redis_boundary
+async def take_overdue(r: Client, keys: Keys, ref: ProcessRef, error: str, now_ms: int) -> bool:
+    """End an attempt that ran past its deadline, as timed out (see `fail`: it may be
+    retried), whoever holds it; False if the process was gone (its deadline entry is
+    then dropped). Fenced as every end: a holder's late finish finds it gone.
+
+    1. `fail` (ref, error)
+    2. ZREM deadlines <id>                      (the process was gone)
+    """
+    if await fail(r, keys, ref, error, now_ms) is not None:
+        return True
+    await reads(r, [("ZREM", keys.deadlines(ref.queue), ref.id)])
+    return False
+
+
+@redis_boundary
+async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int) -> bool:
+    """End a job that is queued, delayed or running, as failed with the error
+    ``cancelled``; False if it is unknown or already ended.
+
+    A running attempt cannot be removed from its process here: the ``cancel`` event
+    asks its worker to stop it, and whatever ends the attempt later (`finish`,
+    `fail`, `stop`, `reclaim`) sees the job ended: it keeps this outcome and puts
+    the job nowhere again.
+      1. WATCH j:<id>;  HMGET j:<id> state env   -> not queued/delayed: UNWATCH, False
+         LPOS tasks <env>                         (queued: nil means an attempt runs)
+         found: WATCH tasks;  LPOS tasks <env>    (a dequeue since the first look, or
+                                                   before EXEC, is not missed)
+      2. MULTI
+      3. LREM tasks 0 <envelope>;  ZREM delayed <envelope>;  HDEL deaths job:<id>
+      4. the writes of `_end_job` with the error "cancelled"
+      5. PUBLISH events cancel:<envelope>
+      6. PUBLISH done done:[{"job_id", "status": "failed", "error": "cancelled", ...}]
+      7. EXEC                                    -> nil: back to 1
+    """
+    record = keys.job(queue, job_id)
+
+    async def body(pipe: Pipeline) -> bool:
+        state, raw = await read(pipe, "HMGET", record, "state", "env")
+        if state is None or raw is None or text(state) not in ("queued", "delayed"):
+            return False
+        envelope = envelope_of(text(raw))
+        if envelope is None:
+            return False
+        attempts = envelope.header.attempt - 1  # the attempts that ended
+        if text(state) == "queued" and not await _still_queued(pipe, keys.tasks(queue), raw):
+            attempts += 1  # not in the list: an attempt runs (and counts)
+        pipe.multi()
+        pipe.execute_command("LREM", keys.tasks(queue), 0, envelope.raw)
+        pipe.execute_command("ZREM", keys.delayed(queue), envelope.raw)
+        pipe.execute_command("HDEL", keys.deaths(queue), f"job:{job_id}")
+        _end_job(pipe, keys, queue, envelope.header, now_ms, error=CANCELLED, attempts=attempts)
+        _trim_jobs(pipe, keys, queue, now_ms)
+        pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", envelope.raw))
+        notice = done_record(None, "", envelope.payload, None, job_id=job_id, error=CANCELLED)
+        pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
+        return True
+
+    cancelled, _ = await _optimistic(r, [record], body)
+    return cancelled
+
+
+CANCELLED = "cancelled"
+"""The error of a cancelled job."""
+
+
+async def _still_queued(pipe: Pipeline, tasks: str, envelope: Any) -> bool:
+    """Whether ``envelope`` waits in the list ``tasks``, and will until EXEC: once it
+    is found, the list is watched and looked at again, so that a dequeue (an attempt
+    that counts) is seen whether it ran before the watch or runs before EXEC."""
+    if await read(pipe, "LPOS", tasks, envelope) is None:
+        return False
+    await pipe.watch(tasks)
+    return await read(pipe, "LPOS", tasks, envelope) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A job's record as read (see `Keys.job`), with where its envelope was found."""
+
+    fields: dict[str, str]
+    queued: bool
+    """The live envelope is in the queue's task list (else, if live and not
+    delayed, a worker runs it); True when it was not looked for."""
+
+
+@redis_boundary
+async def job_record(
+    r: Client, keys: Keys, queue: str, job_id: str, *, locate: bool = True
+) -> JobRecord | None:
+    """A job's record, None if there is none; with ``locate``, a live job's envelope
+    is looked for in the task list (queued, or running).
+
+    1. HGETALL j:<id>
+    2. LPOS tasks <envelope>                     (``locate``, state queued: O(position))
+    """
+    raw = await read(r, "HGETALL", keys.job(queue, job_id))
+    if not raw:
+        return None
+    pairs = raw.items() if isinstance(raw, dict) else _pairs(raw)
+    fields = {text(k): text(v) for k, v in pairs}
+    queued = True
+    if locate and fields.get("state") == "queued" and "env" in fields:
+        queued = await read(r, "LPOS", keys.tasks(queue), fields["env"]) is not None
+    return JobRecord(fields, queued)
 
 
 # -- processes ----------------------------------------------------------------------------
@@ -675,7 +1212,7 @@ async def dequeue(
             await _atomic(once, keys.tasks(queue), _back_to_front(keys, queue, pid))
         raise _corrupt(held)
     taken = [
-        Process(pid, text(task), queue)
+        as_process(pid, text(task), queue)
         for pid, task in zip(ids, found, strict=True)
         if task is not None
     ]
@@ -687,6 +1224,24 @@ async def dequeue(
     return taken
 
 
+def as_process(pid: str, task: str, queue: str) -> Process:
+    """A process of a stored task: a job's payload with its envelope, or the plain
+    task (also an unreadable envelope, which no handler is given: see `Worqr._take`)."""
+    envelope = envelope_of(task)
+    if envelope is None:
+        return Process(pid, task, queue)
+    header = envelope.header
+    return Process(
+        pid,
+        envelope.payload,
+        queue,
+        job_id=header.id,
+        attempt=header.attempt,
+        max_attempts=header.max_attempts,
+        envelope=envelope,
+    )
+
+
 def _back_to_front(keys: Keys, queue: str, pid: str) -> list[Command]:
     """The commands that return a process's task to the front of its queue."""
     return [
@@ -695,69 +1250,259 @@ def _back_to_front(keys: Keys, queue: str, pid: str) -> list[Command]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """What ending one process writes besides its own bookkeeping: the keys whose
+    failing write inside MULTI would lose the task (each must be of its type, or
+    absent), and the writes."""
+
+    requires: tuple[tuple[str, str], ...]
+    writes: Callable[[Pipeline], None]
+
+
+Plan = Callable[[str, Envelope | None, bool], Ending]
+"""What ending a process writes, given its task, its envelope (a job) and whether the
+job ended already (cancelled while its attempt ran)."""
+
+
+def local_ms(now_ms: int | None) -> int:
+    """``now_ms`` (server time, from the caller's clock estimate), or this host's
+    Unix ms when the caller gave none (outcome times only: due times always come
+    from the server's clock)."""
+    return round(time.time() * 1000) if now_ms is None else now_ms
+
+
+def envelope_of(task: str) -> Envelope | None:
+    """A stored task's envelope; None for a plain task or an unreadable envelope."""
+    try:
+        return unwrap(task)
+    except ValueError:
+        return None
+
+
 async def _end_process(
     r: Client,
     keys: Keys,
     ref: ProcessRef,
-    queue_writes: Callable[[Pipeline, str], None],
+    plan: Plan,
     *,
-    appends_to: str | None = None,
+    known: str | None = None,
+    checks: Sequence[tuple[str, str]] = (),
 ) -> str | None:
     """Fenced end of a process: if it still exists, delete it and its bookkeeping and
-    release the task's unique mark, plus the caller's writes; return its task.
-    ``appends_to`` names a list the writes push the task to: it must be a list (or
-    absent), since its push failing inside MULTI would lose the task.
+    release the task's unique mark, plus the writes ``plan`` gives for its task (and
+    envelope, for a job); return its task as stored.
+
+    ``known`` is the task, when the caller dequeued it itself: ids are never reused
+    and only `dequeue` writes a process list, so EXISTS then stands in for LINDEX,
+    and the job's record is watched from the start. ``checks`` are the keys (and their
+    types) that the plan's writes may push to: read beside the fence, since a push
+    failing inside MULTI would lose the task.
 
     WATCH is needed because the unique mark may only be released while the process
-    exists: a late finish after a reclaim must not free the mark of the requeued task.
-      1. WATCH p:<id>;  LINDEX p:<id> 0   -> nil: UNWATCH, return None (gone)
-         (TYPE <appends_to>                -> not a list: UNWATCH, raise)
+    exists: a late finish after a reclaim must not free the mark of the requeued task;
+    and a job's record is watched because a cancel may end the job meanwhile.
+      1. WATCH p:<id> [j:<job>]           (known: one round trip)
+         EXISTS p:<id>                    -> 0: UNWATCH, return None (gone)
+           beside it, on another connection: TYPE <key> (per check);
+           HMGET j:<job> state            -> done/failed: the job ended (cancelled)
+         (not known: WATCH p:<id>;  LINDEX p:<id> 0 -> nil: gone;  WATCH j:<job>;
+          then the reads beside, alone)
+         a checked key not of its type: UNWATCH, raise (nothing written)
       2. MULTI
       3. DEL p:<id>
       4. SREM held:<w> <id>
-      5. SREM unique task
-      6. HDEL deaths <sha1>               (the task ended: its death count goes)
-      7. ...the caller's writes
-      8. EXEC                             -> nil: back to 1
+      5. SREM unique task                 (a plain task)
+      6. HDEL deaths <field>              (the task ended: its death count goes)
+      7. ZREM deadlines <id>              (a job with a timeout)
+      8. ...the plan's writes
+      9. EXEC                             -> nil: back to 1
     """
-    proc = keys.process(ref.queue, ref.id)
+    queue = ref.queue
+    proc = keys.process(queue, ref.id)
+    given = None if known is None else envelope_of(known)
+    watch = [proc] if given is None else [proc, keys.job(queue, given.header.id)]
 
     async def body(pipe: Pipeline) -> str | None:
-        raw = await read(pipe, "LINDEX", proc, 0)
-        if raw is None:
-            return None
-        if appends_to is not None:
-            await _require(pipe, appends_to, "list")
-        task = text(raw)
+        if known is None:
+            raw = await read(pipe, "LINDEX", proc, 0)
+            if raw is None:
+                return None
+            task, envelope = text(raw), envelope_of(text(raw))
+            if envelope is not None:
+                await pipe.watch(keys.job(queue, envelope.header.id))
+        else:
+            task, envelope = known, given
+        side: list[Command] = [("TYPE", key) for key, _ in checks]
+        if envelope is not None:
+            side.append(("HMGET", keys.job(queue, envelope.header.id), "state", "env"))
+        if known is None:
+            replies = await reads(r, side)
+        else:
+            exists, replies = await asyncio.gather(call(pipe, "EXISTS", proc), reads(r, side))
+            if not exists:
+                await pipe.reset()
+                return None
+        types = {key: text(found) for (key, _), found in zip(checks, replies, strict=False)}
+        ended = envelope is not None and _says_ended(replies[-1], envelope.raw)
+        ending = plan(task, envelope, ended)
+        for key, kind in ending.requires:
+            found = types.get(key)
+            if found is None:
+                await _require(pipe, key, kind)
+            elif found not in (kind, "none"):
+                await pipe.reset()
+                raise _corrupt(key, found)
         pipe.multi()
         pipe.execute_command("DEL", proc)
-        pipe.execute_command("SREM", keys.held(ref.queue, ref.worker_id), ref.id)
-        pipe.execute_command("SREM", keys.unique(ref.queue), stored(task))
-        pipe.execute_command("HDEL", keys.deaths(ref.queue), digest(task))
-        queue_writes(pipe, task)
+        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
+        if envelope is None:
+            pipe.execute_command("SREM", keys.unique(queue), stored(task))
+        pipe.execute_command("HDEL", keys.deaths(queue), death_field(task))
+        if envelope is not None and envelope.header.timeout is not None:
+            pipe.execute_command("ZREM", keys.deadlines(queue), ref.id)
+        ending.writes(pipe)
         return task
 
-    task, _ = await _optimistic(r, [proc], body)
+    task, _ = await _optimistic(r, watch, body)
     return task
 
 
+def _says_ended(reply: Any, envelope: str) -> bool:
+    """Whether an ``HMGET j:<id> state env`` reply says that the life of the job whose
+    attempt carries ``envelope`` ended: its record ended (cancelled while the attempt
+    ran), or holds another envelope (the id was submitted anew since). A missing or
+    unreadable record says nothing (the check's to report)."""
+    if is_wrong_type(reply) or not reply or reply[0] is None:
+        return False
+    if text(reply[0]) in _ENDED_STATES:
+        return True
+    return reply[1] is not None and text(reply[1]) != envelope
+
+
+_ENDED_STATES = ("done", "failed")
+
+
+def _end_job(
+    pipe: Pipeline,
+    keys: Keys,
+    queue: str,
+    header: Header,
+    now_ms: int,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+) -> None:
+    """Queue the writes that record a job's outcome (done, or failed with ``error``)
+    and let it expire after its result TTL.
+
+      HSET j:<id> state done|failed attempts <n> finished <now> [result <r>] [error <e>]
+      HDEL j:<id> env due
+      PEXPIRE j:<id> <result ttl>
+      ZADD jobs <now + ttl> <id>
+    (and, once per transaction, `_trim_jobs`)
+    """
+    record = keys.job(queue, header.id)
+    fields: list[str | int] = [
+        "state",
+        "done" if error is None else "failed",
+        "attempts",
+        header.attempt if attempts is None else attempts,
+        "finished",
+        now_ms,
+    ]
+    if result is not None:
+        fields += ["result", result]
+    if error is not None:
+        fields += ["error", error]
+    pipe.execute_command("HSET", record, *fields)
+    pipe.execute_command("HDEL", record, "env", "due")
+    pipe.execute_command("PEXPIRE", record, header.result_ttl_ms)
+    pipe.execute_command("ZADD", keys.jobs(queue), now_ms + header.result_ttl_ms, header.id)
+
+
+def _trim_jobs(pipe: Pipeline, keys: Keys, queue: str, now_ms: int) -> None:
+    """Queue the trim of the job index: entries of outcomes expired by ``now_ms``
+    (once per transaction that ends jobs).
+
+      ZREMRANGEBYSCORE jobs -inf (<now>
+    """
+    pipe.execute_command("ZREMRANGEBYSCORE", keys.jobs(queue), "-inf", f"({now_ms}")
+
+
+def failed_record(
+    task: str,
+    error: str,
+    worker_id: str,
+    *,
+    trace: str = "",
+    envelope: Envelope | None = None,
+) -> str:
+    """A failed-list record: for a job, ``task`` is its payload and the record also has
+    ``job_id``, ``attempts`` and ``envelope`` (to submit it anew)."""
+    record: dict[str, Any] = {
+        "task": task if envelope is None else envelope.payload,
+        "error": error,
+        "worker_id": worker_id,
+        "failed_at": time.time(),
+    }
+    if trace:
+        record["traceback"] = trace
+    if envelope is not None:
+        record["job_id"] = envelope.header.id
+        record["attempts"] = envelope.header.attempt
+        record["envelope"] = envelope.raw
+    return json.dumps(record)
+
+
 @redis_boundary
-async def finish(r: Client, keys: Keys, ref: ProcessRef, result: str | None) -> str | None:
+async def finish(
+    r: Client, keys: Keys, ref: ProcessRef, result: str | None, now_ms: int | None = None
+) -> str | None:
     """Finish a process (see `_end_process`), publishing ``done``; return its task or None.
 
-    6. PUBLISH done done:[{"process_id","worker_id","task","result"}]
+      (a job) WATCH j:<id>;  HMGET j:<id> state  -> done/failed (cancelled meanwhile):
+                                                    no writes but 3-7
+    8. (a job) the writes of `_end_job` with its result
+       PUBLISH done done:[{"process_id","worker_id","task","result"[,"job_id","status"]}]
     """
+    now = local_ms(now_ms)
 
-    def writes(pipe: Pipeline, task: str) -> None:
-        record = done_record(ref.id, ref.worker_id, task, result)
-        pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", f"[{record}]"))
+    def plan(task: str, envelope: Envelope | None, ended: bool) -> Ending:
+        if ended:
+            return Ending((), lambda pipe: None)  # cancelled meanwhile: its outcome stays
 
-    return await _end_process(r, keys, ref, writes)
+        def writes(pipe: Pipeline) -> None:
+            if envelope is None:
+                record = done_record(ref.id, ref.worker_id, task, result)
+            else:
+                header = envelope.header
+                _end_job(pipe, keys, ref.queue, header, now, result=result)
+                _trim_jobs(pipe, keys, ref.queue, now)
+                record = done_record(
+                    ref.id,
+                    ref.worker_id,
+                    envelope.payload,
+                    result,
+                    job_id=header.id,
+                    attempts=header.attempt,
+                )
+            pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", f"[{record}]"))
+
+        return Ending((), writes)
+
+    return await _end_process(r, keys, ref, plan)
 
 
 @redis_boundary
 async def finish_many(
-    r: Client, keys: Keys, worker_id: str, queue: str, done: Sequence[tuple[Process, str | None]]
+    r: Client,
+    keys: Keys,
+    worker_id: str,
+    queue: str,
+    done: Sequence[tuple[Process, str | None]],
+    now_ms: int | None = None,
 ) -> list[bool]:
     """Finish processes that this worker dequeued from one queue (so it knows their
     tasks), in one transaction; return, per process, whether it still existed.
@@ -766,18 +1511,24 @@ async def finish_many(
     Ids are never reused and only `dequeue` writes a process list, so an existing
     p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
     LINDEX of `finish`.
-      1. WATCH p:<id1> ... p:<idk>
+      1. WATCH p:<id1> ... p:<idk> j:<job>...   (the records of the jobs among them)
       2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
                                              (one round trip), and back to 1 with the
                                              ones that exist (the others: False)
+         HMGET j:<job> state ...          (beside 2, on another connection: a job
+                                             that ended meanwhile, cancelled, keeps its
+                                             outcome: no writes of step 9 for it)
       3. MULTI
       4. DEL p:<id1> ... p:<idk>
       5. SREM held:<w> <id>...
-      6. SREM unique <task>...
-      7. HDEL deaths <sha1>...
-      8. PUBLISH done done:[{...}, ...]   (a record per process; a message per MB)
-      9. EXEC                             -> nil: back to 1
+      6. SREM unique <task>...            (plain tasks)
+      7. HDEL deaths <field>...
+      8. ZREM deadlines <id>...           (jobs with a timeout)
+      9. the writes of `_end_job` per job
+     10. PUBLISH done done:[{...}, ...]   (a record per process; a message per MB)
+     11. EXEC                             -> nil: back to 1
     """
+    now = local_ms(now_ms)
     refs = [split_process_id(process.id) for process, _ in done]
     if any(ref.worker_id != worker_id or ref.queue != queue for ref in refs):
         raise ValueError(f"finish_many: every process must be {worker_id}'s in {queue!r}")
@@ -785,23 +1536,73 @@ async def finish_many(
     remaining = list(range(len(done)))
     while remaining:  # each pass ends them all, or finds at least one gone for good
         procs = [keys.process(queue, refs[i].id) for i in remaining]
+        job_ids = [done[i][0].job_id for i in remaining]
+        records_of = [keys.job(queue, job_id) for job_id in job_ids if job_id is not None]
 
-        async def body(pipe: Pipeline, at: list[int] = remaining, procs: list[str] = procs) -> bool:
-            if await call(pipe, "EXISTS", *procs) != len(procs):
+        async def body(
+            pipe: Pipeline,
+            at: list[int] = remaining,
+            procs: list[str] = procs,
+            records_of: list[str] = records_of,
+        ) -> bool:
+            # The records are watched too: read beside the EXISTS (on another
+            # connection, after the WATCH), a cancel landing after the read aborts EXEC.
+            looks: list[Command] = [("HMGET", record, "state", "env") for record in records_of]
+            if looks:
+                exists, states = await asyncio.gather(call(pipe, "EXISTS", *procs), reads(r, looks))
+            else:  # plain tasks only: nothing to read beside (no task made on the hot path)
+                exists, states = await call(pipe, "EXISTS", *procs), []
+            if exists != len(procs):
                 await pipe.reset()
                 return False
-            tasks = [done[i][0].task for i in at]
+            stored_of = {
+                keys.job(queue, p.job_id): p.stored for p, _ in done if p.job_id is not None
+            }
+            ended = {
+                record
+                for record, reply in zip(records_of, states, strict=True)
+                if _says_ended(reply, stored_of[record])
+            }
+            ending = [done[i] for i in at]
+            plain = [stored(p.task) for p, _ in ending if p.envelope is None]
+            timed = [p.id for p, _ in ending if p.envelope and p.envelope.header.timeout]
             pipe.multi()
             pipe.execute_command("DEL", *procs)
             pipe.execute_command("SREM", keys.held(queue, worker_id), *(refs[i].id for i in at))
-            pipe.execute_command("SREM", keys.unique(queue), *map(stored, tasks))
-            pipe.execute_command("HDEL", keys.deaths(queue), *{digest(task) for task in tasks})
-            records = [done_record(refs[i].id, worker_id, done[i][0].task, done[i][1]) for i in at]
+            if plain:
+                pipe.execute_command("SREM", keys.unique(queue), *plain)
+            fields = {
+                digest(p.task) if p.envelope is None else f"job:{p.job_id}" for p, _ in ending
+            }
+            pipe.execute_command("HDEL", keys.deaths(queue), *fields)
+            if timed:
+                pipe.execute_command("ZREM", keys.deadlines(queue), *timed)
+            records = []
+            for process, result in ending:
+                if process.envelope is None:
+                    records.append(done_record(process.id, worker_id, process.task, result))
+                    continue
+                header = process.envelope.header
+                if keys.job(queue, header.id) in ended:
+                    continue  # cancelled while it ran: its outcome stays
+                _end_job(pipe, keys, queue, header, now, result=result)
+                records.append(
+                    done_record(
+                        process.id,
+                        worker_id,
+                        process.task,
+                        result,
+                        job_id=header.id,
+                        attempts=header.attempt,
+                    )
+                )
+            if records_of:
+                _trim_jobs(pipe, keys, queue, now)
             for message in done_messages(records):
                 pipe.execute_command("PUBLISH", keys.done(queue), message)
             return True
 
-        whole, _ = await _optimistic(r, procs, body)
+        whole, _ = await _optimistic(r, [*procs, *records_of], body)
         if whole:
             for i in remaining:
                 outcome[i] = True
@@ -817,44 +1618,145 @@ async def finish_many(
 
 
 @redis_boundary
-async def fail(r: Client, keys: Keys, ref: ProcessRef, error: str) -> str | None:
-    """Move a process's task to the queue's failed list (see `_end_process`).
+async def fail(
+    r: Client,
+    keys: Keys,
+    ref: ProcessRef,
+    error: str,
+    now_ms: int | None = None,
+    *,
+    trace: str = "",
+    delay: float | None = None,
+    final: bool = False,
+    known: str | None = None,
+) -> str | None:
+    """End a failed attempt (see `_end_process`, ``known`` as there); return the task
+    as stored, or None.
 
-    6. RPUSH failed {"task","error","worker_id","failed_at"}
+    A plain task, or a job at its last attempt (or ``final``), goes to the failed list
+    and the job's outcome is recorded. Another attempt of a job goes to the back of
+    the queue (no delay) or to the delayed set, due after ``delay`` seconds (default:
+    its backoff), as a new envelope whose attempt is one higher. A job that ended
+    meanwhile (cancelled) only has its process ended.
+      (a job) HMGET j:<id> state under WATCH     -> done/failed: no writes but 3-7
+      8. the failed list: RPUSH failed <record>
+            (a job) the writes of `_end_job` with the error;
+            PUBLISH done done:[{..., "job_id", "status": "failed", "error"}]
+         another attempt now: RPUSH tasks <envelope'>;  PUBLISH events work:1;
+            HSET j:<id> env <envelope'> state queued attempts <a> error <e>;  HDEL j:<id> due
+         another attempt later: ZADD delayed <due> <envelope'>;
+            HSET j:<id> env <envelope'> state delayed attempts <a> error <e> due <due>;
+            PUBLISH events delayed:<due>
     """
+    queue = ref.queue
+    now = local_ms(now_ms)
 
-    def writes(pipe: Pipeline, task: str) -> None:
-        record = {
-            "task": task,
-            "error": error,
-            "worker_id": ref.worker_id,
-            "failed_at": time.time(),
-        }
-        pipe.execute_command("RPUSH", keys.failed(ref.queue), json.dumps(record))
+    def plan(task: str, envelope: Envelope | None, ended: bool) -> Ending:
+        if envelope is None:
+            record = failed_record(task, error, ref.worker_id, trace=trace)
 
-    return await _end_process(r, keys, ref, writes, appends_to=keys.failed(ref.queue))
+            def to_failed_list(pipe: Pipeline) -> None:
+                pipe.execute_command("RPUSH", keys.failed(queue), record)
+
+            return Ending(((keys.failed(queue), "list"),), to_failed_list)
+        header = envelope.header
+        job = keys.job(queue, header.id)
+        if ended:  # cancelled meanwhile
+            return Ending((), lambda pipe: None)
+        if final or header.attempt >= header.max_attempts:
+            record = failed_record(task, error, ref.worker_id, trace=trace, envelope=envelope)
+            notice = done_record(
+                ref.id,
+                ref.worker_id,
+                envelope.payload,
+                None,
+                job_id=header.id,
+                error=error,
+                attempts=header.attempt,
+            )
+
+            def to_failed(pipe: Pipeline) -> None:
+                pipe.execute_command("RPUSH", keys.failed(queue), record)
+                _end_job(pipe, keys, queue, header, now, error=error)
+                _trim_jobs(pipe, keys, queue, now)
+                pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
+
+            return Ending(((keys.failed(queue), "list"),), to_failed)
+        wait = delay if delay is not None else backoff_delay(header)
+        again = wrap(header.next_attempt(), envelope.payload)
+        due = now + round(wait * 1000)
+        fields: list[str | int] = ["env", again, "attempts", header.attempt, "error", error]
+
+        def at_once(pipe: Pipeline) -> None:
+            pipe.execute_command("RPUSH", keys.tasks(queue), again)
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
+            pipe.execute_command("HSET", job, *fields, "state", "queued")
+            pipe.execute_command("HDEL", job, "due")
+
+        def later(pipe: Pipeline) -> None:
+            pipe.execute_command("ZADD", keys.delayed(queue), due, again)
+            pipe.execute_command("HSET", job, *fields, "state", "delayed", "due", due)
+            pipe.execute_command("PUBLISH", keys.events(queue), event("delayed", str(due)))
+
+        if wait <= 0:
+            return Ending(((keys.tasks(queue), "list"),), at_once)
+        return Ending(((keys.delayed(queue), "zset"),), later)
+
+    checks = [(keys.failed(queue), "list")]
+    if known is None or envelope_of(known) is not None:
+        checks += [(keys.tasks(queue), "list"), (keys.delayed(queue), "zset")]
+    return await _end_process(r, keys, ref, plan, known=known, checks=checks)
+
+
+async def _ended(pipe: Pipeline, keys: Keys, queue: str, envelope: Envelope) -> bool:
+    """In a WATCHed pipeline: watch the job's record too, and tell whether the life
+    of ``envelope`` ended (see `_says_ended`): then the attempt's end must neither
+    overwrite the outcome nor put the job anywhere again."""
+    record = keys.job(queue, envelope.header.id)
+    await pipe.watch(record)
+    return _says_ended(await read(pipe, "HMGET", record, "state", "env"), envelope.raw)
+
+
+def backoff_delay(header: Header) -> float:
+    """Seconds before the attempt after ``header``'s, by its backoff."""
+    initial, factor, maximum, jitter = header.backoff
+    return Backoff(initial, factor, maximum, jitter).delay(header.attempt)
 
 
 @redis_boundary
-async def stop(once: Client, keys: Keys, ref: ProcessRef) -> str | None:
+async def stop(
+    once: Client, keys: Keys, ref: ProcessRef, job_id: str | None = None, *, look: bool = False
+) -> str | None:
     """Return a process's task to the FRONT of its queue; its unique mark stays
-    (``once``: a client that never resends, see `_atomic`).
+    (``once``: a client that never resends, see `_atomic`). A job (``job_id``) goes
+    back as it was, giving a process up is not an attempt; but a job that ended
+    meanwhile (cancelled while it ran) does not go back: its process is dropped.
 
-    Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET). No WATCH: LMOVE from a
-    missing list is a no-op, so a late stop changes nothing.
+    (a job, or ``look``: a process whose task is unknown, LINDEX p:<id> 0 first)
+            WATCH p:<id>;  WATCH j:<job>;  HMGET j:<job> state
+            -> done/failed: MULTI;  DEL p:<id>;  HDEL deaths job:<job>;  SREM held:<w>
+               <id>;  ZREM deadlines <id>;  EXEC
+            -> else the block below under that WATCH (EXEC nil: back to WATCH)
+
+    Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET), deadlines (ZSET). No WATCH:
+    LMOVE from a missing list is a no-op, so a late stop changes nothing.
       1. MULTI
       2. LMOVE p:<id> tasks RIGHT LEFT   -> the task, or nil (process gone)
       3. SREM held:<w> <id>
-      4. PUBLISH events work:1          (a harmless hint if the process was gone)
-      5. EXEC
+      4. ZREM deadlines <id>
+      5. PUBLISH events work:1          (a harmless hint if the process was gone)
+      6. EXEC
     """
     queue = ref.queue
-    task, _, _ = await _atomic(
+    if job_id is not None or look:
+        return await _stop_job(once, keys, ref, job_id)
+    task, _, _, _ = await _atomic(
         once,
         keys.tasks(queue),
         [
             ("LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"),
             ("SREM", keys.held(queue, ref.worker_id), ref.id),
+            ("ZREM", keys.deadlines(queue), ref.id),
             ("PUBLISH", keys.events(queue), event("work", "1")),
         ],
     )
@@ -864,6 +1766,39 @@ async def stop(once: Client, keys: Keys, ref: ProcessRef) -> str | None:
             f"{keys.tasks(queue)} or {keys.process(queue, ref.id)} is not a list",
             keys.tasks(queue),
         )
+    return None if task is None else text(task)
+
+
+async def _stop_job(once: Client, keys: Keys, ref: ProcessRef, job_id: str | None) -> str | None:
+    """`stop` of a job, in one transaction with the look at its record: a job that
+    ended meanwhile (cancelled while it ran) has its process dropped instead; with
+    no ``job_id``, the process's task says whether it is a job."""
+    queue = ref.queue
+    proc = keys.process(queue, ref.id)
+
+    async def body(pipe: Pipeline) -> tuple[bool, str | None]:
+        raw = await read(pipe, "LINDEX", proc, 0)
+        envelope = None if raw is None else envelope_of(text(raw))
+        found = None if envelope is None else envelope.header.id
+        ended = envelope is not None and await _ended(pipe, keys, queue, envelope)
+        pipe.multi()
+        if ended:
+            pipe.execute_command("DEL", proc)
+            pipe.execute_command("HDEL", keys.deaths(queue), f"job:{found}")
+        else:
+            pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
+        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
+        pipe.execute_command("ZREM", keys.deadlines(queue), ref.id)
+        return ended, found
+
+    (ended, _), replies = await _optimistic(once, [proc], body)
+    if ended:
+        return None
+    task = replies[0]
+    if is_wrong_type(task):  # the task stays in its process list: keep it recorded
+        await reads(once, [("SADD", keys.held(queue, ref.worker_id), ref.id)])
+        raise CorruptDataError(f"{keys.tasks(queue)} or {proc} is not a list", keys.tasks(queue))
     return None if task is None else text(task)
 
 
@@ -879,7 +1814,13 @@ class Reclaimed:
 
 @redis_boundary
 async def reclaim(
-    r: Client, keys: Keys, queue: str, worker_id: str, *, quarantine_after: int | None = None
+    r: Client,
+    keys: Keys,
+    queue: str,
+    worker_id: str,
+    *,
+    quarantine_after: int | None = None,
+    now_ms: int | None = None,
 ) -> Reclaimed:
     """Return every process a worker holds in a queue to the FRONT, oldest first.
 
@@ -889,57 +1830,89 @@ async def reclaim(
 
     With ``quarantine_after`` (the worker died), each task's death count goes up; a
     task whose holders died that many times goes to the failed list instead, so that
-    a poison pill cannot crash-loop the fleet. Counts are per task string (its SHA-1).
-    Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET); with
-    quarantine also deaths (HASH), failed (LIST), unique (SET).
+    a poison pill cannot crash-loop the fleet. Counts are per task string (its SHA-1),
+    per job id for a job (see `death_field`): a death is not an attempt, so a job goes
+    back with its envelope unchanged; a quarantined job's outcome is recorded failed.
+    Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET), deadlines
+    (ZSET); with quarantine also deaths (HASH), failed (LIST), unique (SET), j:<id>.
       1. WATCH held:<w>;  SMEMBERS held:<w>     -> ids, sorted newest first
          TYPE tasks;  (quarantine) TYPE failed -> not lists: UNWATCH, raise (nothing moved)
-      2. (quarantine) LINDEX p:<id> 0 ...;  HMGET deaths <sha1>...   (one round trip each)
+      2. LINDEX p:<id> 0 ...;  (quarantine) HMGET deaths <sha1>...   (one round trip each)
+         (jobs) WATCH j:<job>...;  HMGET j:<job> state ...           (another round trip)
       3. MULTI
-      4. per id, newest first:
+      4. per id, newest first, a job that ended meanwhile (cancelled while it ran):
+           DEL p:<id>;  HDEL deaths job:<job>
+         else:
            LMOVE p:<id> tasks RIGHT LEFT;  (quarantine) HINCRBY deaths <sha1> 1
          or, for a task at its limit:
            DEL p:<id>;  RPUSH failed <record>;  HDEL deaths <sha1>;  SREM unique task
+           (a job: instead of the SREM, the writes of `_end_job` and PUBLISH done)
+         ZREM deadlines <id>...
       5. DEL held:<w>
       6. SREM holders <w>
       7. PUBLISH events work:<returned>         (if any returned)
       8. EXEC                                   -> nil: back to 1
     """
     held = keys.held(queue, worker_id)
+    now = local_ms(now_ms)
 
-    async def body(pipe: Pipeline) -> list[tuple[str, str | None]]:
+    async def body(pipe: Pipeline) -> list[tuple[str, str | None, int]]:
         ids = sorted(members(await read(pipe, "SMEMBERS", held)), key=_token, reverse=True)
         if ids:  # the LMOVEs must not fail inside MULTI, nor the quarantine's RPUSH
             await _require(pipe, keys.tasks(queue), "list")
             if quarantine_after:
                 await _require(pipe, keys.failed(queue), "list")
-        counts = await _death_counts(r, keys, queue, ids) if quarantine_after and ids else {}
-        plan: list[tuple[str, str | None]] = []  # what each group of replies belongs to
+        counts = await _death_counts(r, keys, queue, ids, with_counts=bool(quarantine_after))
+        ended = await _ended_jobs(pipe, r, keys, queue, [task for task, _ in counts.values()])
+        plan: list[tuple[str, str | None, int]] = []  # what each group of replies is
         pipe.multi()
         for pid in ids:
             proc = keys.process(queue, pid)
             task, deaths = counts.get(pid, (None, 0))
-            if task is not None and quarantine_after and deaths + 1 >= quarantine_after:
-                record = {
-                    "task": task,
-                    "error": f"quarantined: its worker died while running it {deaths + 1} times",
-                    "worker_id": worker_id,
-                    "failed_at": time.time(),
-                }
+            if task is not None and task in ended:  # its life ended while it ran
                 pipe.execute_command("DEL", proc)
-                pipe.execute_command("RPUSH", keys.failed(queue), json.dumps(record))
-                pipe.execute_command("HDEL", keys.deaths(queue), digest(task))
-                pipe.execute_command("SREM", keys.unique(queue), stored(task))
-                plan.append(("quarantined", task))
+                pipe.execute_command("HDEL", keys.deaths(queue), death_field(task))
+                plan.append(("dropped", task, 2))
+                continue
+            if task is not None and quarantine_after and deaths + 1 >= quarantine_after:
+                before = len(pipe.command_stack)
+                error = f"quarantined: its worker died while running it {deaths + 1} times"
+                envelope = envelope_of(task)
+                pipe.execute_command("DEL", proc)
+                pipe.execute_command(
+                    "RPUSH",
+                    keys.failed(queue),
+                    failed_record(task, error, worker_id, envelope=envelope),
+                )
+                pipe.execute_command("HDEL", keys.deaths(queue), death_field(task))
+                if envelope is None:
+                    pipe.execute_command("SREM", keys.unique(queue), stored(task))
+                else:
+                    _end_job(pipe, keys, queue, envelope.header, now, error=error)
+                    notice = done_record(
+                        pid,
+                        worker_id,
+                        envelope.payload,
+                        None,
+                        job_id=envelope.header.id,
+                        error=error,
+                        attempts=envelope.header.attempt,
+                    )
+                    pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
+                plan.append(("quarantined", task, len(pipe.command_stack) - before))
                 continue
             pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
-            plan.append(("returned", None))
-            if task is not None:
-                pipe.execute_command("HINCRBY", keys.deaths(queue), digest(task), 1)
-                plan.append(("counted", None))
+            plan.append(("returned", None, 1))
+            if task is not None and quarantine_after:
+                pipe.execute_command("HINCRBY", keys.deaths(queue), death_field(task), 1)
+                plan.append(("counted", None, 1))
+        if ids:
+            pipe.execute_command("ZREM", keys.deadlines(queue), *ids)
+        if any(kind == "quarantined" and task and envelope_of(task) for kind, task, _ in plan):
+            _trim_jobs(pipe, keys, queue, now)
         pipe.execute_command("DEL", held)
         pipe.execute_command("SREM", keys.holders(queue), worker_id)
-        back = sum(kind == "returned" for kind, _ in plan)
+        back = sum(kind == "returned" for kind, _, _ in plan)
         if back:
             pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(back)))
         return plan
@@ -948,40 +1921,59 @@ async def reclaim(
     returned: list[str] = []
     quarantined: list[str] = []
     position = 0
-    for kind, task in plan:
+    for kind, task, size in plan:
         if kind == "returned" and isinstance(replies[position], str | bytes):
             returned.append(text(replies[position]))
         elif kind == "quarantined" and task is not None:
             quarantined.append(task)
-        position += 4 if kind == "quarantined" else 1
+        position += size
     returned.reverse()  # moved newest first: report them in queue order
     quarantined.reverse()
     return Reclaimed(returned, quarantined)
 
 
 async def _death_counts(
-    r: Client, keys: Keys, queue: str, ids: Sequence[str]
+    r: Client, keys: Keys, queue: str, ids: Sequence[str], *, with_counts: bool = True
 ) -> dict[str, tuple[str, int]]:
-    """Each process's task and how often holders of that task died so far.
+    """Each process's task and (``with_counts``) how often holders of that task died
+    so far.
 
     Read outside the transaction: the WATCH on the worker's held set already aborts
     it if any of these processes changes.
     """
+    if not ids:
+        return {}
     raw_tasks = await reads(r, [("LINDEX", keys.process(queue, pid), 0) for pid in ids])
     tasks = {
         pid: text(raw)
         for pid, raw in zip(ids, raw_tasks, strict=True)
         if isinstance(raw, str | bytes)
     }
-    if not tasks:
-        return {}
-    digests = [digest(task) for task in tasks.values()]
+    if not tasks or not with_counts:
+        return {pid: (task, 0) for pid, task in tasks.items()}
+    digests = [death_field(task) for task in tasks.values()]
     (counts,) = await reads(r, [("HMGET", keys.deaths(queue), *digests)])
     if is_wrong_type(counts):  # a wrong-typed deaths hash counts nothing (check's)
         counts = [None] * len(digests)
     return {
         pid: (task, _count(count)) for (pid, task), count in zip(tasks.items(), counts, strict=True)
     }
+
+
+async def _ended_jobs(
+    pipe: Pipeline, r: Client, keys: Keys, queue: str, tasks: Sequence[str]
+) -> set[str]:
+    """In a WATCHed pipeline: watch the records of the jobs among ``tasks`` and return
+    the ids of those that ended already (cancelled while they ran): their envelopes
+    must not go back to the queue."""
+    envelopes = [envelope for task in tasks if (envelope := envelope_of(task)) is not None]
+    if not envelopes:
+        return set()
+    await pipe.watch(*{keys.job(queue, e.header.id) for e in envelopes})
+    states = await reads(
+        r, [("HMGET", keys.job(queue, e.header.id), "state", "env") for e in envelopes]
+    )
+    return {e.raw for e, reply in zip(envelopes, states, strict=True) if _says_ended(reply, e.raw)}
 
 
 def _count(raw: Any) -> int:
@@ -1004,6 +1996,14 @@ def _token(pid: str) -> str:
 def digest(task: str) -> str:
     """The field under which a task's death count is kept (tasks may be megabytes)."""
     return hashlib.sha1(task.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def death_field(task: str) -> str:
+    """The deaths field of a stored task: ``job:<id>`` for a job (its envelopes differ
+    from attempt to attempt, and identical payloads are different jobs), else its
+    `digest`."""
+    envelope = envelope_of(task)
+    return digest(task) if envelope is None else f"job:{envelope.header.id}"
 
 
 @redis_boundary
@@ -1032,7 +2032,7 @@ async def processes(r: Client, keys: Keys, queues: Sequence[str] | None = None) 
     )
     tasks = await reads(r, [("LINDEX", keys.process(q, pid), 0) for _, q, pid in candidates])
     return [
-        Process(pid, text(task), queue)
+        as_process(pid, text(task), queue)
         for (_, queue, pid), task in zip(candidates, tasks, strict=True)
         if isinstance(task, str | bytes)
     ]
@@ -1174,6 +2174,7 @@ async def fail_worker(
     *,
     only_if_dead: bool,
     quarantine_after: int | None = None,
+    now_ms: int | None = None,
 ) -> FailedWorker | None:
     """Return all of a worker's processes to the front of their queues and deregister it.
 
@@ -1200,7 +2201,7 @@ async def fail_worker(
     for queue in sorted(queues):
         try:
             reclaimed[queue] = await reclaim(
-                r, keys, queue, worker_id, quarantine_after=quarantine_after
+                r, keys, queue, worker_id, quarantine_after=quarantine_after, now_ms=now_ms
             )
         except CorruptDataError as exc:
             corrupt.append(exc.key or f"a key of queue {queue!r}")
@@ -1221,33 +2222,63 @@ class Scan:
     """Registered queues with no queued, failed or in-process task and no worker."""
     corrupt: list[str]
     """Keys of the wrong type met (read as empty: one bad key costs only what it holds)."""
+    overdue: list[ProcessRef] = field(default_factory=list)
+    """Processes of jobs past their deadline (timeout plus grace): any peer may end
+    the attempt, as timed out (see `fail`)."""
+
+
+_OVERDUE_BATCH = 100  # overdue processes per queue one scan reports
 
 
 @redis_boundary
-async def scan(r: Client, keys: Keys) -> Scan:
+async def scan(r: Client, keys: Keys, now_ms: int | None = None) -> Scan:
     """The fleet-wide scan: dead workers, and queues idle enough to leave the registry.
 
     O(workers + registered queues) per call; only one peer per interval runs it (see
     `acquire_supervision`), and since idle queues are pruned (`prune_queues`), its cost
     follows the queues in use, not every queue ever used.
+    With ``now_ms`` (server time) it also lists processes past their deadline.
       1. SMEMBERS workers;  SMEMBERS queues
-      2. SMEMBERS holders;  EXISTS tasks failed     (per queue)
+      2. SMEMBERS holders;  EXISTS tasks failed delayed       (per queue)
+         (now_ms) ZRANGE deadlines -inf <now> BYSCORE LIMIT 0 100
          SMEMBERS w:queues                          (per listed worker)   one round trip
       3. EXISTS alive                               (per candidate, one round trip)
     """
     first: list[Command] = [("SMEMBERS", keys.workers), ("SMEMBERS", keys.queues)]
     listed, known = await reads(r, first)
     workers, queues = members(listed), members(known)
+    step = 2 if now_ms is None else 3
     second: list[Command] = []
     for queue in queues:
         second += [
             ("SMEMBERS", keys.holders(queue)),
-            ("EXISTS", keys.tasks(queue), keys.failed(queue)),
+            ("EXISTS", keys.tasks(queue), keys.failed(queue), keys.delayed(queue)),
         ]
+        if now_ms is not None:
+            second.append(
+                (
+                    "ZRANGE",
+                    keys.deadlines(queue),
+                    "-inf",
+                    now_ms,
+                    "BYSCORE",
+                    "LIMIT",
+                    0,
+                    _OVERDUE_BATCH,
+                )
+            )
     second += [("SMEMBERS", keys.worker_queues(worker_id)) for worker_id in workers]
     replies = await reads(r, second)
-    holders, contents = replies[: 2 * len(queues) : 2], replies[1 : 2 * len(queues) : 2]
-    worked = {q for reply in replies[2 * len(queues) :] for q in members(reply)}
+    per_queue = replies[: step * len(queues)]
+    holders, contents = per_queue[::step], per_queue[1::step]
+    overdue = [
+        ref
+        for reply in (per_queue[2::step] if now_ms is not None else [])
+        if not is_wrong_type(reply)
+        for pid in reply
+        if (ref := _ref_or_none(text(pid))) is not None
+    ]
+    worked = {q for reply in replies[step * len(queues) :] for q in members(reply)}
     candidates = sorted(set(workers).union(*(members(reply) for reply in holders)))
     alive = await reads(r, [("EXISTS", keys.heartbeat(worker_id)) for worker_id in candidates])
     idle = [
@@ -1259,7 +2290,15 @@ async def scan(r: Client, keys: Keys) -> Scan:
         dead=[w for w, flag in zip(candidates, alive, strict=True) if not flag],
         idle=idle,
         corrupt=wrong_keys(first, [listed, known]) + wrong_keys(second, replies),
+        overdue=overdue,
     )
+
+
+def _ref_or_none(pid: str) -> ProcessRef | None:
+    try:
+        return parse_process_id(pid)
+    except InvalidProcessIdError:
+        return None
 
 
 @redis_boundary
@@ -1272,7 +2311,7 @@ async def prune_queues(r: Client, keys: Keys, idle: Sequence[str]) -> list[str]:
     own SADD (after the push, see `enqueue`) re-registers the queue; a `start_work`
     the read missed writes its work list after the read and the registry after that.
       1. SREM queues queue...
-      2. SMEMBERS workers;  EXISTS tasks failed holders (per queue)
+      2. SMEMBERS workers;  EXISTS tasks failed holders delayed (per queue)
       3. SMEMBERS w:queues (per listed worker)
       4. SADD queues queue...                       (those in use by now)
     """
@@ -1280,7 +2319,7 @@ async def prune_queues(r: Client, keys: Keys, idle: Sequence[str]) -> list[str]:
         return []
     await reads(r, [("SREM", keys.queues, *idle)])
     checks: list[Command] = [
-        ("EXISTS", keys.tasks(q), keys.failed(q), keys.holders(q)) for q in idle
+        ("EXISTS", keys.tasks(q), keys.failed(q), keys.holders(q), keys.delayed(q)) for q in idle
     ]
     replies = await reads(r, [("SMEMBERS", keys.workers), *checks])
     work_lists = [("SMEMBERS", keys.worker_queues(w)) for w in members(replies[0])]
@@ -1311,19 +2350,31 @@ async def acquire_supervision(r: Client, keys: Keys, worker_id: str, lease_ms: i
     return taken is not None or ttl == -1
 
 
+@dataclass(frozen=True, slots=True)
+class QueueLook:
+    """What a worker's self-check saw of one queue it works on."""
+
+    waiting: int
+    """Queued tasks (0 when the tasks key is of the wrong type)."""
+    held: list[str] | None
+    """The process ids Redis records under the worker (None: the held set is of the
+    wrong type, so nothing is known of them)."""
+    next_due: int | None
+    """The earliest due time in the delayed set (Unix ms), None for none."""
+
+
 @redis_boundary
 async def touch_worker(
     r: Client, keys: Keys, worker_id: str, queues: Sequence[str]
-) -> list[tuple[int, list[str] | None]]:
-    """Periodic self-check: keep the registry entries true, count waiting tasks and
-    list the processes Redis records under this worker, per queue (None for a queue
-    whose held set is of the wrong type: then nothing is known of it, and a tasks key
-    of the wrong type counts 0).
+) -> list[QueueLook]:
+    """Periodic self-check: keep the registry entries true, and per queue count
+    waiting tasks, list the processes Redis records under this worker and read the
+    next due time of its delayed jobs (in case a ``delayed`` event was missed).
 
     Re-adding is idempotent and heals an entry a racing peer removed just after
     this worker re-registered.
       1. SADD workers <w>;  SADD w:queues queue...
-      2. LLEN tasks;  SMEMBERS held:<w>      (per queue)
+      2. LLEN tasks;  SMEMBERS held:<w>;  ZRANGE delayed 0 0 WITHSCORES  (per queue)
     """
     commands: list[Command] = [("SADD", keys.workers, worker_id)]
     if queues:
@@ -1331,14 +2382,32 @@ async def touch_worker(
     for queue in queues:
         commands.append(("LLEN", keys.tasks(queue)))
         commands.append(("SMEMBERS", keys.held(queue, worker_id)))
+        commands.append(("ZRANGE", keys.delayed(queue), 0, 0, "WITHSCORES"))
     per_queue = (await reads(r, commands))[2 if queues else 1 :]
     return [
-        (
+        QueueLook(
             0 if is_wrong_type(waiting) else int(waiting),
             None if is_wrong_type(held) else members(held),
+            _first_due(due),
         )
-        for waiting, held in zip(per_queue[::2], per_queue[1::2], strict=True)
+        for waiting, held, due in zip(per_queue[::3], per_queue[1::3], per_queue[2::3], strict=True)
     ]
+
+
+def _first_due(reply: Any) -> int | None:
+    """The score of a ``ZRANGE delayed 0 0 WITHSCORES`` reply, None for none (or for
+    one that is no time: never due)."""
+    pairs = [] if is_wrong_type(reply) else _pairs(reply)
+    return _ms(pairs[0][1]) if pairs else None
+
+
+def _ms(score: Any) -> int | None:
+    """A score as Unix ms; None for one that is not a finite number in range."""
+    try:
+        value = float(text(score) if isinstance(score, bytes | str) else score)
+    except (TypeError, ValueError):
+        return None
+    return round(value) if math.isfinite(value) and abs(value) <= 2**53 else None
 
 
 # -- repairs (the consistency check) ------------------------------------------------------
@@ -1351,12 +2420,18 @@ async def return_orphan(r: Client, keys: Keys, queue: str, process_id: str) -> i
     The SCAN that reported it may have missed a held set created meanwhile, so the
     orphan is confirmed under WATCH first: a recorded process belongs to its worker
     (alive, or reclaimed with the rest of its processes once dead) and is left alone.
+    The envelope of a job whose life ended meanwhile (cancelled) is dropped, not put
+    back: its job must not run again.
       1. WATCH p:<id> held:<w>;  SISMEMBER held:<w> <id>  -> 1: UNWATCH, done
-      2. LLEN p:<id>                                       -> n (0: UNWATCH, done)
-      3. MULTI
-      4. LMOVE p:<id> tasks RIGHT LEFT                     (n times: order kept)
-      5. PUBLISH events work:<n>
-      6. EXEC                                              -> nil: back to 1
+      2. LRANGE p:<id> 0 -1                                -> its tasks (none: done)
+         per envelope: WATCH j:<id>;  HMGET j:<id> state env   -> its life ended?
+      (none ended)
+      3. MULTI;  LMOVE p:<id> tasks RIGHT LEFT  (n times: order kept)
+      (some ended)
+      3. TYPE tasks                                        -> not a list: raise
+         MULTI;  DEL p:<id>;  LPUSH tasks <the others, last first>
+      4. PUBLISH events work:<n>
+      5. EXEC                                              -> nil: back to 1
     """
     proc = keys.process(queue, process_id)
     try:
@@ -1368,7 +2443,18 @@ async def return_orphan(r: Client, keys: Keys, queue: str, process_id: str) -> i
         if held is not None and await read(pipe, "SISMEMBER", held, process_id):
             await pipe.reset()
             return 0
-        return await _move_back(pipe, keys, queue, proc, keep=0)
+        tasks = [text(task) for task in await read(pipe, "LRANGE", proc, 0, -1)]
+        ended = [await _life_ended(pipe, keys, queue, task) for task in tasks]
+        if not any(ended):
+            return await _move_back(pipe, keys, queue, proc, keep=0)
+        back = [stored(task) for task, over in zip(tasks, ended, strict=True) if not over]
+        await _require(pipe, keys.tasks(queue), "list")  # else DEL would lose the others
+        pipe.multi()
+        pipe.execute_command("DEL", proc)
+        if back:
+            pipe.execute_command("LPUSH", keys.tasks(queue), *reversed(back))
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(back))))
+        return len(back)
 
     moved, replies = await _optimistic(r, [proc] if held is None else [proc, held], body)
     if replies and is_wrong_type(replies[0]):  # nothing moved: the task stays where it was
@@ -1398,6 +2484,17 @@ async def trim_process(r: Client, keys: Keys, queue: str, process_id: str) -> in
     return moved
 
 
+async def _life_ended(pipe: Pipeline, keys: Keys, queue: str, task: str) -> bool:
+    """In a WATCHed pipeline: whether ``task`` is the envelope of a job whose life ended
+    (its record watched from now on); False for a plain task."""
+    envelope = envelope_of(task)
+    if envelope is None:
+        return False
+    record = keys.job(queue, envelope.header.id)
+    await pipe.watch(record)
+    return _says_ended(await read(pipe, "HMGET", record, "state", "env"), envelope.raw)
+
+
 async def _move_back(pipe: Pipeline, keys: Keys, queue: str, proc: str, *, keep: int) -> int:
     """In a WATCHed pipeline: queue moving all but the first ``keep`` tasks of a process
     list to the front of the queue, newest first (so their order is kept)."""
@@ -1412,6 +2509,25 @@ async def _move_back(pipe: Pipeline, keys: Keys, queue: str, proc: str, *, keep:
     return count
 
 
+async def _unless_exists(r: Client, key: str, command: Command) -> bool:
+    """Run ``command`` in a transaction only while ``key`` does not exist (the repairs
+    that forget bookkeeping of something gone); whether it ran.
+
+    1. WATCH key;  EXISTS key                   -> 1: UNWATCH, keep it
+    2. MULTI;  <command>;  EXEC
+    """
+
+    async def body(pipe: Pipeline) -> bool:
+        if await call(pipe, "EXISTS", key):
+            return False
+        pipe.multi()
+        pipe.execute_command(*command)
+        return True
+
+    ran, _ = await _optimistic(r, [key], body)
+    return ran
+
+
 @redis_boundary
 async def drop_process_id(r: Client, keys: Keys, queue: str, worker_id: str, pid: str) -> bool:
     """Forget a recorded process id whose process list does not exist.
@@ -1419,17 +2535,9 @@ async def drop_process_id(r: Client, keys: Keys, queue: str, worker_id: str, pid
     1. WATCH p:<id>;  EXISTS p:<id>             -> 1: UNWATCH, keep it
     2. MULTI;  SREM held:<w> <id>;  EXEC
     """
-    proc = keys.process(queue, pid)
-
-    async def body(pipe: Pipeline) -> bool:
-        if await call(pipe, "EXISTS", proc):
-            return False
-        pipe.multi()
-        pipe.execute_command("SREM", keys.held(queue, worker_id), pid)
-        return True
-
-    dropped, _ = await _optimistic(r, [proc], body)
-    return dropped
+    return await _unless_exists(
+        r, keys.process(queue, pid), ("SREM", keys.held(queue, worker_id), pid)
+    )
 
 
 @redis_boundary
@@ -1439,17 +2547,9 @@ async def drop_holder(r: Client, keys: Keys, queue: str, worker_id: str) -> bool
     1. WATCH held:<w>;  EXISTS held:<w>         -> 1: UNWATCH, keep it
     2. MULTI;  SREM holders <w>;  EXEC
     """
-    held = keys.held(queue, worker_id)
-
-    async def body(pipe: Pipeline) -> bool:
-        if await call(pipe, "EXISTS", held):
-            return False
-        pipe.multi()
-        pipe.execute_command("SREM", keys.holders(queue), worker_id)
-        return True
-
-    dropped, _ = await _optimistic(r, [held], body)
-    return dropped
+    return await _unless_exists(
+        r, keys.held(queue, worker_id), ("SREM", keys.holders(queue), worker_id)
+    )
 
 
 @redis_boundary
@@ -1459,17 +2559,9 @@ async def drop_work_list(r: Client, keys: Keys, worker_id: str) -> bool:
     1. WATCH alive;  EXISTS alive               -> 1: UNWATCH, keep it
     2. MULTI;  DEL w:queues;  EXEC
     """
-    alive = keys.heartbeat(worker_id)
-
-    async def body(pipe: Pipeline) -> bool:
-        if await call(pipe, "EXISTS", alive):
-            return False
-        pipe.multi()
-        pipe.execute_command("DEL", keys.worker_queues(worker_id))
-        return True
-
-    dropped, _ = await _optimistic(r, [alive], body)
-    return dropped
+    return await _unless_exists(
+        r, keys.heartbeat(worker_id), ("DEL", keys.worker_queues(worker_id))
+    )
 
 
 @redis_boundary
@@ -1514,6 +2606,100 @@ async def expire_endless(r: Client, key: str, ttl_ms: int) -> bool:
 
 
 @redis_boundary
+async def drop_deadline(r: Client, keys: Keys, queue: str, process_id: str) -> bool:
+    """Forget the deadline of a process that no longer exists.
+
+    1. WATCH p:<id>;  EXISTS p:<id>             -> 1: UNWATCH, keep it
+    2. MULTI;  ZREM deadlines <id>;  EXEC
+    """
+    return await _unless_exists(
+        r, keys.process(queue, process_id), ("ZREM", keys.deadlines(queue), process_id)
+    )
+
+
+@redis_boundary
+async def drop_job_index(r: Client, keys: Keys, queue: str, job_id: str) -> bool:
+    """Forget a live index entry whose job record is gone (it would refuse the id
+    forever as a duplicate).
+
+    1. WATCH j:<id>;  EXISTS j:<id>             -> 1: UNWATCH, keep it
+    2. MULTI;  ZREM jobs <id>;  EXEC
+    """
+    return await _unless_exists(r, keys.job(queue, job_id), ("ZREM", keys.jobs(queue), job_id))
+
+
+@redis_boundary
+async def index_job(r: Client, keys: Keys, queue: str, job_id: str) -> bool:
+    """Put a live job back in the index (it was missing: its id would be accepted
+    again while the job lives); whether it was written.
+
+    1. WATCH j:<id>;  HGET j:<id> state;  ZSCORE jobs <id>
+                                           -> not queued/delayed, or +inf: UNWATCH
+    2. MULTI;  ZADD jobs +inf <id>;  EXEC  -> nil: back to 1
+    """
+    record = keys.job(queue, job_id)
+
+    async def body(pipe: Pipeline) -> bool:
+        state = await read(pipe, "HGET", record, "state")
+        live = state is not None and text(state) in ("queued", "delayed")
+        if not live or live_score(await read(pipe, "ZSCORE", keys.jobs(queue), job_id)):
+            await pipe.reset()
+            return False
+        pipe.multi()
+        pipe.execute_command("ZADD", keys.jobs(queue), "+inf", job_id)
+        return True
+
+    indexed, _ = await _optimistic(r, [record], body)
+    return indexed
+
+
+LOST = "lost: its envelope was found neither queued, delayed nor in process"
+"""The error a job's record ends with when `check` finds its envelope gone."""
+
+
+@redis_boundary
+async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int) -> bool:
+    """End the record of a live job whose envelope is nowhere (removed by another
+    client, or by a `delete_queue` that raced its submit), as failed with `LOST`, so
+    that its waiters wake and the record expires; False if the envelope turned up.
+
+    WATCH covers the task list and the delayed set too: every move of an envelope
+    between a process list and them (dequeue, stop, reclaim, promotion) writes one of
+    them, so an envelope cannot slip past the looks below while they run.
+      1. WATCH j:<id> tasks delayed;  HMGET j:<id> state env   -> not live: UNWATCH, False
+      2. LPOS tasks <env>;  ZSCORE delayed <env>    -> any: UNWATCH, False
+      3. SMEMBERS holders;  SMEMBERS held:<w>;  LINDEX p:<id> 0   -> <env>: UNWATCH, False
+      4. MULTI;  the writes of `_end_job`;  PUBLISH done done:[{...}];  EXEC
+    """
+    record = keys.job(queue, job_id)
+
+    async def body(pipe: Pipeline) -> bool:
+        state, raw = await read(pipe, "HMGET", record, "state", "env")
+        envelope = None if raw is None else envelope_of(text(raw))
+        if state is None or text(state) not in ("queued", "delayed") or envelope is None:
+            return False
+        env = envelope.raw
+        if await read(pipe, "LPOS", keys.tasks(queue), env) is not None:
+            return False
+        if await read(pipe, "ZSCORE", keys.delayed(queue), env) is not None:
+            return False
+        (holders,) = await reads(r, [("SMEMBERS", keys.holders(queue))])
+        held: list[Command] = [("SMEMBERS", keys.held(queue, w)) for w in members(holders)]
+        pids = [pid for reply in await reads(r, held) for pid in members(reply)]
+        tasks = await reads(r, [("LINDEX", keys.process(queue, pid), 0) for pid in pids])
+        if any(isinstance(t, str | bytes) and text(t) == env for t in tasks):
+            return False
+        pipe.multi()
+        _end_job(pipe, keys, queue, envelope.header, now_ms, error=LOST)
+        notice = done_record(None, "", envelope.payload, None, job_id=job_id, error=LOST)
+        pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
+        return True
+
+    ended, _ = await _optimistic(r, [record, keys.tasks(queue), keys.delayed(queue)], body)
+    return ended
+
+
+@redis_boundary
 async def register(r: Client, registry: str, member: str) -> None:
     """Add a missing registry entry (a live worker or a queue with tasks).
 
@@ -1524,22 +2710,47 @@ async def register(r: Client, registry: str, member: str) -> None:
 
 # -- inspection ---------------------------------------------------------------------------
 
-PROTOCOL_VERSION = "2"
+PLAIN_PROTOCOL = "2"
+"""What a prefix records until a job feature is used: version-2 peers still work with it."""
+PROTOCOL_VERSION = "3"
+"""The version this library speaks: version 2 plus jobs (envelopes, delayed sets, records)."""
+PROTOCOLS = frozenset({PLAIN_PROTOCOL, PROTOCOL_VERSION})
 
 
 @redis_boundary
 async def claim_protocol(r: Client, keys: Keys) -> str:
-    """Record this protocol version under the prefix unless one is there; return the
-    version found.
+    """Record protocol 2 under the prefix unless a version is there; return the
+    version found (a prefix moves to 3 with its first job, see `require_jobs`).
 
-      1. SET protocol <PROTOCOL_VERSION> NX
+      1. SET protocol 2 NX
       2. GET protocol
     """
     async with r.pipeline(transaction=False) as pipe:
-        pipe.execute_command("SET", keys.protocol, PROTOCOL_VERSION, "NX")
+        pipe.execute_command("SET", keys.protocol, PLAIN_PROTOCOL, "NX")
         pipe.execute_command("GET", keys.protocol)
         _, found = await pipe.execute()
     return text(found)
+
+
+@redis_boundary
+async def require_jobs(r: Client, keys: Keys) -> str:
+    """Move the prefix to protocol 3 (so that version-2 peers refuse to start rather
+    than hand envelopes to handlers); return the version found before.
+
+      1. WATCH protocol;  GET protocol    -> 3 or another: UNWATCH, return it
+      2. MULTI;  SET protocol 3;  EXEC    -> nil: back to 1
+    """
+
+    async def body(pipe: Pipeline) -> str:
+        raw = await call(pipe, "GET", keys.protocol)
+        found = PLAIN_PROTOCOL if raw is None else text(raw)
+        if found == PLAIN_PROTOCOL:
+            pipe.multi()
+            pipe.execute_command("SET", keys.protocol, PROTOCOL_VERSION)
+        return found
+
+    found, _ = await _optimistic(r, [keys.protocol], body)
+    return found
 
 
 @redis_boundary

@@ -21,6 +21,14 @@ its whole process group, then SIGKILL if it is still alive `KILL_AFTER` (5) seco
 later; what is left of its group is then killed. The stop is shielded: no task ends
 while its child may still run.
 
+A job's child also gets ``WORQR_JOB_ID``, ``WORQR_ATTEMPT`` and ``WORQR_MAX_ATTEMPTS``
+(a plain task: attempt 1 of 1, no job id). A child that fails is a failed attempt: the
+job is tried again after its backoff while it has attempts left. When an attempt runs
+past the job's timeout, `Worqr.consume` cancels the handler and the child is stopped
+the same way, but with SIGKILL after `TIMEOUT_KILL_AFTER` (0.5) seconds: peers may take
+the attempt away (and start the next one) ``worker_timeout`` after its timeout, and
+the child must be dead by then. The attempt then counts as failed with a timeout error.
+
 SIGTERM or SIGINT stops taking work and gives running children ``grace`` seconds to
 finish; the rest are stopped the same way but with SIGKILL after `SHUTDOWN_KILL_AFTER`
 (0.5) seconds, and their tasks handed back to the front of the queue
@@ -50,6 +58,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +78,10 @@ SHUTDOWN_KILL_AFTER = 0.5
 """The same at shutdown, after the grace period: `Worqr.shutdown` hands the task back
 one second after cancelling its handler, and by then the child must be dead, or the
 task could run twice at once."""
+TIMEOUT_KILL_AFTER = 0.5
+"""The same for a job's attempt stopped past its timeout: peers take an attempt away
+``worker_timeout`` (3 s by default) after its timeout, and by then the child must be
+dead, or the job's next attempt could run beside it."""
 ENV_TASK_LIMIT = 32 * 1024
 """Tasks larger than this (in UTF-8 bytes) are not put in ``WORQR_TASK``: Linux
 refuses to start a program with one environment string over 128 KiB."""
@@ -237,7 +250,7 @@ class _Worker:
                 tg.cancel_scope.cancel()  # the stdin writer, if the child never read it
         finally:
             with anyio.CancelScope(shield=True):
-                await self._reap(child, label, extra)
+                await self._reap(child, process, label, extra)
         logger.info("%s exited with code %d", label, code, extra=extra)
         if code != 0:
             tail = "\n".join(stderr)[-STDERR_CHARS:]
@@ -246,24 +259,43 @@ class _Worker:
 
     def _environment(self, process: Process) -> dict[str, str]:
         env = dict(os.environ)
-        env.pop("WORQR_TASK", None)  # never inherit a stale one
+        for stale in ("WORQR_TASK", "WORQR_JOB_ID"):  # never inherit a stale one
+            env.pop(stale, None)
         if "\0" not in process.task and len(process.task.encode()) <= ENV_TASK_LIMIT:
             env["WORQR_TASK"] = process.task
         env["WORQR_QUEUE"] = process.queue
         env["WORQR_PROCESS_ID"] = process.id
         env["WORQR_WORKER_ID"] = self._worqr.worker_id
+        if process.job_id is not None:
+            env["WORQR_JOB_ID"] = process.job_id
+        env["WORQR_ATTEMPT"] = str(process.attempt)
+        env["WORQR_MAX_ATTEMPTS"] = str(process.max_attempts)
         return env
 
     async def _reap(
-        self, child: asyncio.subprocess.Process, label: str, extra: dict[str, Any]
+        self,
+        child: asyncio.subprocess.Process,
+        process: Process,
+        label: str,
+        extra: dict[str, Any],
     ) -> None:
         """Make sure the child is gone: if it still runs (the handler was cancelled),
-        SIGTERM its group, SIGKILL it if it outlives the delay, then kill what is left
-        of the group; finally close its stdin (its stdout and stderr close themselves
-        at end of file)."""
+        SIGTERM its group, SIGKILL it if it outlives the delay (short at shutdown and
+        for an attempt past its timeout), then kill what is left of the group; finally
+        close its stdin (its stdout and stderr close themselves at end of file)."""
         if child.returncode is None:
-            logger.info("%s: stopping (SIGTERM)", label, extra=extra)
-            kill_after = SHUTDOWN_KILL_AFTER if self.signalled else KILL_AFTER
+            overdue = _past_timeout(process)
+            logger.info(
+                "%s: %sstopping (SIGTERM)",
+                label,
+                "past the job's timeout; " if overdue else "",
+                extra=extra,
+            )
+            kill_after = KILL_AFTER
+            if self.signalled:
+                kill_after = SHUTDOWN_KILL_AFTER
+            elif overdue:
+                kill_after = TIMEOUT_KILL_AFTER
             _signal_group(child.pid, signal.SIGTERM)
             with anyio.move_on_after(kill_after):
                 await child.wait()
@@ -281,6 +313,14 @@ class _Worker:
             logger.info("%s stopped with code %d", label, child.returncode, extra=extra)
         if child.stdin is not None:
             child.stdin.close()
+
+
+def _past_timeout(process: Process) -> bool:
+    """Whether the attempt has run past its job's timeout, counted from the dequeue
+    (by the wall clock that dated the process id, just before `Worqr.consume` started
+    the timer that cancels the handler)."""
+    timeout = process.timeout
+    return timeout is not None and time.time() >= process.dequeued_at + timeout
 
 
 def _signal_group(pid: int, signum: signal.Signals) -> None:

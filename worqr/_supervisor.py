@@ -35,7 +35,7 @@ class Host(Protocol):
 
     async def cleanup_workers(self) -> list[str]: ...
 
-    async def _recheck_queues(self, waiting: dict[str, int]) -> None: ...
+    async def _recheck_queues(self, looks: dict[str, _ops.QueueLook]) -> None: ...
 
     def _audit_snapshot(self) -> tuple[int, frozenset[str]]: ...
 
@@ -146,12 +146,11 @@ class Supervisor:
                 queues = host._working_queues()
                 snapshot = host._audit_snapshot()  # before the read is sent
                 found = await _ops.touch_worker(self._client, keys, host.worker_id, queues)
-                recorded = [pid for _, held in found for pid in held or ()]
+                recorded = [pid for look in found for pid in look.held or ()]
                 unknown = frozenset(
-                    q for q, (_, held) in zip(queues, found, strict=True) if held is None
+                    q for q, look in zip(queues, found, strict=True) if look.held is None
                 )
                 await host._audit_processes(recorded, snapshot, unknown)
-                waiting = [count for count, _ in found]
-                await host._recheck_queues(dict(zip(queues, waiting, strict=True)))
+                await host._recheck_queues(dict(zip(queues, found, strict=True)))
             except BackendError as exc:
                 self._log.warning("cleanup failed: %s", exc)

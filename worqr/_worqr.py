@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import functools
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
@@ -19,13 +22,18 @@ from typing_extensions import Self
 from . import _ops
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
+from ._clock import ServerClock
 from ._connections import Client, client_without_retries, close_client, decoding_client, strict
 from ._consumer import Consumer, Handler
+from ._delayed import Promoter
+from ._envelope import check_job_id, check_plain_task, is_envelope
 from ._errors import (
     BackendError,
+    BackendUnavailableError,
     ClosedError,
     CorruptDataError,
     InvalidProcessIdError,
+    JobFailedError,
     NotWorkingError,
     ProtocolVersionError,
     ReplicationError,
@@ -33,6 +41,9 @@ from ._errors import (
     redis_boundary,
 )
 from ._events import Events, Subscribed
+from ._jobs import Backoff, Job, JobInfo, JobStatus
+from ._jobs import Options as JobOptions
+from ._jobs import options as job_options
 from ._keys import Keys
 from ._log import PeerLog
 from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo, readable
@@ -50,15 +61,20 @@ from ._names import (
     split_process_id,
 )
 from ._ops import members, read, text
+from ._results import Results, job_info
 from ._stats import LocalStats
 from ._supervisor import Supervisor
 from ._urls import Closable, connect
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
 _UNREADABLE = "unreadable task: its bytes are not valid UTF-8 (kept as they were)"
+_BAD_ENVELOPE = "unreadable job envelope (kept as it was)"
+_DAY = 86400.0
 _REPORT_EVERY = 60.0  # seconds between two warnings about the same corrupt key
 _FINISH_BATCH = 256  # processes finished in one transaction at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
+_LEAVE_PAUSES = (0.1, 0.3, 1.0, 2.0, None)  # between tries of the shutdown's fail_worker
+_LEAVE_LIMIT = 15.0  # seconds the shutdown's fail_worker may take, tries included
 
 
 class Worqr:
@@ -166,6 +182,11 @@ class Worqr:
         self._closed = False
         self._stats = LocalStats()
         self._reported: dict[str, float] = {}  # corrupt key -> when it was last logged
+        self._clock = ServerClock()
+        self._promoter = Promoter(self._redis, self._keys, self._clock, self._log)
+        self._results = Results(self._events)
+        self._jobs_on = False  # the prefix is known to be at protocol 3
+        self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its hook
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
@@ -208,10 +229,14 @@ class Worqr:
     async def _check_connection(self) -> None:
         """Credentials first, then the protocol version of the data under the prefix."""
         found = await _ops.claim_protocol(self._redis, self._keys)
-        if found != _ops.PROTOCOL_VERSION:
+        self._require_protocol(found)
+        self._jobs_on = found == _ops.PROTOCOL_VERSION
+
+    def _require_protocol(self, found: str) -> None:
+        if found not in _ops.PROTOCOLS:
             raise ProtocolVersionError(
                 f"the data under prefix {self.prefix!r} uses protocol {found!r}; this "
-                f"worqr speaks protocol {_ops.PROTOCOL_VERSION!r}"
+                f"worqr speaks protocols {_ops.PLAIN_PROTOCOL!r} and {_ops.PROTOCOL_VERSION!r}"
             )
 
     async def __aexit__(
@@ -233,6 +258,7 @@ class Worqr:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
                 tg.start_soon(self._events.run)
+                tg.start_soon(self._promoter.run)
                 self._ready.set()
                 await anyio.sleep_forever()
 
@@ -263,16 +289,34 @@ class Worqr:
                 for consumer in consumers:
                     await consumer.wait_idle()
             if self._supervisor is not None:
-                try:
-                    await self.fail_worker()
-                except BackendError as exc:
-                    self._log.warning(
-                        "could not hand work back at shutdown (%s); peers will reclaim it",
-                        exc,
-                        extra={"worker_id": self._worker_id},
-                    )
+                await self._leave()
         finally:  # even when cancelled: the connections must not outlive the peer
             await self.close()
+
+    async def _leave(self) -> None:
+        """`fail_worker` at shutdown, tried again (it is idempotent) while the server
+        cannot be reached, for `_LEAVE_LIMIT` seconds at most: a pooled connection cut
+        earlier fails on first use, and a fleet shutting down has no peer left to
+        reclaim the work."""
+        failure: BaseException | str = f"no answer within {_LEAVE_LIMIT:g} s"
+        with anyio.move_on_after(_LEAVE_LIMIT):
+            for pause in _LEAVE_PAUSES:
+                try:
+                    await self.fail_worker()
+                    return
+                except BackendUnavailableError as exc:
+                    failure = exc
+                    if pause is None:
+                        break
+                    await anyio.sleep(pause)
+                except BackendError as exc:
+                    failure = exc
+                    break
+        self._log.warning(
+            "could not hand work back at shutdown (%s); peers will reclaim it",
+            failure,
+            extra={"worker_id": self._worker_id},
+        )
 
     async def close(self) -> None:
         """Stop the background loops and close owned connections WITHOUT handing work
@@ -284,6 +328,7 @@ class Worqr:
         if self._closed:
             return
         self._closed = True
+        self._results.close()
         for consumer in list(self._consumers):
             consumer.stop("closed", cancel=True)
         if self._runner_scope is not None:
@@ -342,20 +387,27 @@ class Worqr:
         the tasks, or raises `ReplicationError` after ``wait_timeout``.
         """
         check_queue(queue)
-        tasks = check_tasks(task_or_tasks)
+        tasks = [check_plain_task(task) for task in check_tasks(task_or_tasks)]
         push = _ops.enqueue_unique if unique else _ops.enqueue
         confirmed = await push(self._redis, self._keys, queue, tasks, self._wait)
+        self._require_replicas(confirmed, f"{len(tasks)} task(s) are queued in {queue!r}")
+
+    def _require_replicas(self, confirmed: int | None, what: str) -> None:
+        """Raise `ReplicationError` if fewer replicas than ``wait_replicas`` confirmed
+        a write (``what`` says what was written)."""
         if self._wait is not None and confirmed is not None and confirmed < self._wait[0]:
             raise ReplicationError(
-                f"{len(tasks)} task(s) are queued in {queue!r} on the primary, but only "
-                f"{confirmed} of {self._wait[0]} replicas confirmed them within "
-                f"{self._wait[1] / 1000:g} s: a failover now could lose them"
+                f"{what} on the primary, but only {confirmed} of {self._wait[0]} replicas"
+                f" confirmed it within {self._wait[1] / 1000:g} s: a failover now could lose it"
             )
 
     async def cancel_tasks(self, queue: str, task: str) -> int:
         """Remove every queued copy of ``task``; publishes ``cancel`` so that workers
-        running a copy can stop it. Returns the number of queued copies removed."""
-        return await _ops.cancel(self._once, self._keys, check_queue(queue), check_task(task))
+        running a copy can stop it. Returns the number of queued copies removed. A
+        job's envelope is refused (`InvalidTaskError`): a job is cancelled by its id,
+        with `Job.cancel`, which ends its record too."""
+        plain = check_plain_task(check_task(task))
+        return await _ops.cancel(self._once, self._keys, check_queue(queue), plain)
 
     async def get_failed(self, queue: str) -> list[FailedTask]:
         """The queue's failed tasks, oldest first."""
@@ -367,6 +419,138 @@ class Worqr:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
             raise TypeError(f"limit must be an int or None, not {type(limit).__name__}")
         return await _ops.retry_failed(self._redis, self._keys, check_queue(queue), limit)
+
+    # -- jobs --------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        queue: str,
+        payload: str,
+        *,
+        job_id: str | None = None,
+        max_attempts: int = 1,
+        backoff: Backoff | float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (the job's timeout, not this call's)
+        delay: float | None = None,
+        at: datetime.datetime | float | None = None,
+        result_ttl: float = _DAY,
+        unique: bool = False,
+    ) -> Job:
+        """Submit a job: ``payload`` (a str, what the handler gets as ``process.task``)
+        with an id, retries, a timeout, a due time and a stored outcome.
+
+        ``job_id`` (default: a new unique id; with ``unique``, one derived from the
+        payload) must not be queued, delayed or running in the queue:
+        `DuplicateTaskError`, and nothing is written. The handler may run up to
+        ``max_attempts`` times, waiting ``backoff`` (a `Backoff`, or constant seconds;
+        default `Backoff()`) between attempts; ``timeout`` bounds one attempt;
+        ``delay`` (seconds from now) or ``at`` (an aware datetime or Unix seconds, by
+        the Redis server's clock) holds it back; its outcome stays readable
+        ``result_ttl`` seconds after it ended.
+        """
+        check_queue(queue)
+        given = None if job_id is None else check_job_id(job_id)
+        if given is not None and unique is True:
+            raise ValueError("give a job id or unique (an id made from the payload), not both")
+        choices = job_options(
+            max_attempts=max_attempts,
+            backoff=backoff,
+            timeout=timeout,
+            delay=delay,
+            at=at,
+            result_ttl=result_ttl,
+            unique=unique,
+        )
+        (job,) = await self._submit(queue, [check_task(payload)], given, choices)
+        return job
+
+    async def submit_many(
+        self,
+        queue: str,
+        payloads: Sequence[str],
+        *,
+        max_attempts: int = 1,
+        backoff: Backoff | float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (the jobs' timeout)
+        delay: float | None = None,
+        at: datetime.datetime | float | None = None,
+        result_ttl: float = _DAY,
+        unique: bool = False,
+    ) -> list[Job]:
+        """`submit` a job per payload, atomically and in one round trip (with
+        ``unique``, a few: none is written if one is live already)."""
+        check_queue(queue)
+        choices = job_options(
+            max_attempts=max_attempts,
+            backoff=backoff,
+            timeout=timeout,
+            delay=delay,
+            at=at,
+            result_ttl=result_ttl,
+            unique=unique,
+        )
+        if isinstance(payloads, str):
+            raise TypeError("payloads must be a sequence of str, not one str (use submit)")
+        return await self._submit(queue, check_tasks(payloads), None, choices)
+
+    async def _submit(
+        self, queue: str, payloads: list[str], given: str | None, choices: JobOptions
+    ) -> list[Job]:
+        await self._enable_jobs()
+        now = await self._clock.now_ms(self._redis)
+        due = choices.due_ms(now)
+        envelopes = choices.envelopes(payloads, given, now)
+        jobs = [_ops.Submission(envelope, due) for envelope in envelopes]
+        check = given is not None or choices.unique
+        confirmed = await _ops.submit(
+            self._redis, self._once, self._keys, queue, jobs, check=check, wait=self._wait
+        )
+        self._require_replicas(confirmed, f"{len(jobs)} job(s) are submitted to {queue!r}")
+        return [Job(self, queue, envelope.header.id) for envelope in envelopes]
+
+    async def _enable_jobs(self) -> None:
+        """Move the prefix to protocol 3 before its first job (once per `Worqr`)."""
+        if not self._jobs_on:
+            self._require_protocol(await _ops.require_jobs(self._redis, self._keys))
+            self._jobs_on = True
+
+    def job(self, queue: str, job_id: str) -> Job:
+        """A handle on the job ``job_id`` of ``queue`` (no I/O: it need not exist)."""
+        return Job(self, check_queue(queue), check_job_id(job_id))
+
+    async def get_delayed(self, queue: str, limit: int = 1000) -> list[tuple[float, str]]:
+        """The queue's delayed jobs (retries waiting out their backoff included), next
+        first: (due time in Unix seconds by the server's clock, job id)."""
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        entries = await _ops.delayed_jobs(self._redis, self._keys, check_queue(queue), limit)
+        return [(due / 1000, _ops.job_label(raw)) for due, raw in entries]
+
+    async def _job_info(self, queue: str, job_id: str) -> JobInfo | None:
+        found = await _ops.job_record(self._redis, self._keys, queue, job_id)
+        return None if found is None else job_info(queue, job_id, found)
+
+    async def _cancel_job(self, queue: str, job_id: str) -> bool:
+        now = await self._clock.now_ms(self._redis)
+        return await _ops.cancel_job(self._redis, self._keys, queue, job_id, now)
+
+    async def _job_result(self, queue: str, job_id: str, timeout: float | None) -> str | None:  # noqa: ASYNC109
+        """See `Job.result`."""
+        if timeout is not None:
+            check_interval("timeout", timeout)
+        await self._ensure_running()
+        record = functools.partial(
+            _ops.job_record, self._redis, self._keys, queue, job_id, locate=False
+        )
+        with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
+            info = await self._results.wait(queue, job_id, record)
+        if waited.cancelled_caught:
+            raise TimeoutError(f"job {job_id!r} of {queue!r} did not end within {timeout:g} s")
+        if info.status == JobStatus.FAILED:
+            raise JobFailedError(job_id, info.error or "", info.attempts)
+        return info.result
 
     # -- processes -----------------------------------------------------------------------
 
@@ -415,7 +599,8 @@ class Worqr:
             )
             if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
                 for process in reversed(taken):
-                    await _ops.stop(self._once, self._keys, split_process_id(process.id))
+                    ref = split_process_id(process.id)
+                    await _ops.stop(self._once, self._keys, ref, process.job_id)
                 return []
             for process in taken:
                 self._held[process.id] = process
@@ -423,20 +608,39 @@ class Worqr:
             self._taking.difference_update(reserved)
         usable = []
         for process in taken:
-            if readable(process.task):
+            if not readable(process.task):  # no handler can take it, and no retry helps
+                await self._reject(process, _UNREADABLE)
+            elif process.envelope is None and is_envelope(process.task):
+                await self._reject(process, _BAD_ENVELOPE)
+            else:
                 usable.append(process)
-            else:  # no handler can take it, and no retry helps
-                await self._reject(process)
+        await self._set_deadlines(queue, usable)
         return usable
 
-    async def _reject(self, process: Process) -> None:
-        """Move an unreadable task to the failed list: one attempt, so that the tasks
+    async def _set_deadlines(self, queue: str, processes: list[Process]) -> None:
+        """Record, for the jobs with a timeout, when a peer may take them away: their
+        timeout plus a grace of ``worker_timeout`` after now (server time). Without
+        it only this worker's own timer stops them (logged)."""
+        timed = [(p.id, p.timeout) for p in processes if p.timeout is not None]
+        if not timed:
+            return
+        grace = self._worker_timeout
+        try:
+            now = await self._clock.now_ms(self._redis)
+            deadlines = [(pid, now + round((limit + grace) * 1000)) for pid, limit in timed]
+            await _ops.set_deadlines(self._redis, self._keys, queue, deadlines)
+        except BackendError as exc:
+            self._log.warning("could not record job deadlines: %s", exc, extra={"queue": queue})
+
+    async def _reject(self, process: Process, why: str) -> None:
+        """Move an unreadable task (``why``) to the failed list: one attempt, so that the tasks
         taken with it are not held up; if it fails the process stays held here (the
         audit leaves it alone) rather than going back to the head of the queue."""
         ref = split_process_id(process.id)
         try:
             with self._ending_process(process.id):
-                task = await _ops.fail(self._redis, self._keys, ref, _UNREADABLE)
+                now = self._clock.estimate_ms()
+                task = await _ops.fail(self._redis, self._keys, ref, why, now, final=True)
         except BackendError as exc:
             self._log.error(
                 "could not move an unreadable task to the failed list: %s",
@@ -472,8 +676,9 @@ class Worqr:
         ref = self._ref(process)
         if await self._fenced(ref):
             return False
+        now = await self._clock.now_ms(self._redis)
         with self._ending_process(ref.id):
-            task = await _ops.finish(self._redis, self._keys, ref, result)
+            task = await _ops.finish(self._redis, self._keys, ref, result, now)
         self._held.pop(ref.id, None)  # known until Redis answered (an error keeps it)
         self._note(ref, task, failed=False)
         return task is not None
@@ -484,8 +689,10 @@ class Worqr:
         ref = self._ref(process)
         if await self._fenced(ref):
             return False
+        job_id = process.job_id if isinstance(process, Process) else None
+        look = not isinstance(process, Process)  # a job's? its task says
         with self._ending_process(ref.id):
-            task = await _ops.stop(self._once, self._keys, ref)
+            task = await _ops.stop(self._once, self._keys, ref, job_id, look=look)
         self._held.pop(ref.id, None)
         return task is not None
 
@@ -585,6 +792,7 @@ class Worqr:
 
     async def _start_worker(self, tg: anyio.abc.TaskGroup) -> None:
         await self._check_connection()
+        await self._clock.sample(self._redis)  # due times and deadlines are server time
         if self._explicit_id:
             await self._fail_dead(self._worker_id, only_if_dead=False)
         supervisor = Supervisor(
@@ -612,10 +820,16 @@ class Worqr:
         self._require_worker()
         self._working.setdefault(queue, None)
         self._events.pin(queue)
+        if queue not in self._promoting:
+            self._promoting[queue] = functools.partial(self._promoter.hook, queue)
+            self._events.add_hook(queue, self._promoting[queue])
         await self._events.settled(queue)
         waiting, deleted = await _ops.start_work(self._redis, self._keys, self._worker_id, queue)
         if queue in self._working:
             self._working[queue] = deleted
+            self._promoter.watch(queue, None)  # due times announced from now on count
+            (due,) = await _ops.next_due(self._redis, self._keys, [queue])
+            self._promoter.note(queue, due)
         if waiting:
             await _ops.publish(self._redis, self._keys, queue, "work", str(waiting))
 
@@ -628,6 +842,7 @@ class Worqr:
                 consumer.stop("stopped", cancel=True)
         self._working.pop(queue, None)
         self._events.unpin(queue)
+        self._stop_promoting(queue)
         for pid in [pid for pid, p in self._held.items() if p.queue == queue]:
             del self._held[pid]
         await _ops.stop_work(self._redis, self._keys, self._worker_id, queue)
@@ -665,21 +880,49 @@ class Worqr:
             self._supervisor = None
         for queue in self._working:
             self._events.unpin(queue)
+        for queue in list(self._promoting):
+            self._stop_promoting(queue)
         self._working.clear()
         self._held.clear()
+
+    def _stop_promoting(self, queue: str) -> None:
+        self._promoter.forget(queue)
+        hook = self._promoting.pop(queue, None)
+        if hook is not None:
+            self._events.remove_hook(queue, hook)
 
     async def cleanup_workers(self) -> list[str]:
         """Fail every worker whose heartbeat is gone (including workers known only as
         holders of processes); returns their ids. Tasks whose holders died
         ``quarantine_after`` times go to the failed list instead of back to the queue."""
         failed: list[str] = []
-        found = await _ops.scan(self._redis, self._keys)
+        now = await self._clock.now_ms(self._redis)
+        found = await _ops.scan(self._redis, self._keys, now)
         self._report_corrupt(found.corrupt)
         for worker_id in found.dead:
             if worker_id == self._worker_id and self._supervisor is not None:
                 continue  # our own heartbeat loop fences and recovers
             if await self._fail_dead(worker_id, only_if_dead=True):
                 failed.append(worker_id)
+        dead = set(found.dead)  # their attempts go back with them: a death is no attempt
+        for ref in found.overdue:
+            if ref.worker_id in dead or (ref.worker_id == self._worker_id and self._lost):
+                continue
+            error = (
+                f"TimeoutError: the attempt ran past its timeout and grace; worker"
+                f" {ref.worker_id} still held it, and {self._worker_id} took it away"
+            )
+            try:
+                taken = await _ops.take_overdue(self._redis, self._keys, ref, error, now)
+            except BackendError as exc:  # the next scan tries again
+                self._log.warning("could not end an overdue attempt: %s", exc)
+                continue
+            if taken:
+                self._log.warning(
+                    "took an overdue job attempt away from worker %s",
+                    ref.worker_id,
+                    extra={"queue": ref.queue, "process_id": ref.id},
+                )
         await _ops.prune_queues(self._redis, self._keys, found.idle)
         return failed
 
@@ -707,6 +950,7 @@ class Worqr:
             worker_id,
             only_if_dead=only_if_dead,
             quarantine_after=self._quarantine_after,
+            now_ms=self._clock.estimate_ms(),
         )
         if outcome is None:
             return False
@@ -762,6 +1006,20 @@ class Worqr:
             if kind is not None:
                 await _ops.drop_wrong_type(r, problem.key, kind)
                 self._log.warning("deleted %s: it had the wrong type", problem.key)
+        elif problem.kind == "stale-deadline" and queue and pid:
+            await _ops.drop_deadline(r, keys, queue, pid)
+        elif (
+            problem.kind in ("dangling-job", "unindexed-job", "lost-job") and queue and problem.key
+        ):
+            parsed = keys.parse(problem.key)
+            if parsed is not None and parsed[0] == "j":
+                if problem.kind == "dangling-job":
+                    await _ops.drop_job_index(r, keys, queue, parsed[2])
+                elif problem.kind == "unindexed-job":
+                    await _ops.index_job(r, keys, queue, parsed[2])
+                else:
+                    now = await self._clock.now_ms(r)
+                    await _ops.end_lost_job(r, keys, queue, parsed[2], now)
         elif problem.kind == "no-expiry" and problem.key:
             # An expiry, not a delete: a live worker's next heartbeat renews it.
             await _ops.expire_endless(r, problem.key, round(self._worker_timeout * 1000))
@@ -827,11 +1085,14 @@ class Worqr:
         for queue in self._working:  # a look, not an announcement: the count is unknown
             self._events.poke(queue, "work", "")
 
-    async def _recheck_queues(self, waiting: dict[str, int]) -> None:
-        """Wake this peer's consumers of queues where tasks wait (hooks only)."""
-        for queue, count in waiting.items():
-            if count:
-                self._events.poke(queue, "work", str(count))
+    async def _recheck_queues(self, looks: dict[str, _ops.QueueLook]) -> None:
+        """Wake this peer's consumers of queues where tasks wait (hooks only), and
+        note the due times of their delayed jobs."""
+        for queue, look in looks.items():
+            if look.waiting:
+                self._events.poke(queue, "work", str(look.waiting))
+            self._promoter.note(queue, look.next_due)
+        await self._clock.now_ms(self._redis)  # a fresh sample every 30 s
 
     def _audit_snapshot(self) -> tuple[int, frozenset[str]]:
         """The lease epoch and the processes this peer holds and is not ending, taken
@@ -883,7 +1144,7 @@ class Worqr:
             and (ref := self._stray_ref(pid)) is not None
         ]
         for ref in sorted(strays, key=lambda ref: ref.token, reverse=True):
-            if await _ops.stop(self._once, self._keys, ref):
+            if await _ops.stop(self._once, self._keys, ref, look=True):
                 self._log.warning(
                     "returned stray process to its queue",
                     extra={"queue": ref.queue, "process_id": ref.id},
@@ -899,10 +1160,15 @@ class Worqr:
     async def _after_reconnect(self) -> None:
         """Messages may have been missed while the subscriber was away: wake the
         consumers, and end those whose queue was deleted meanwhile."""
+        self._results.wake_all()
         queues = list(self._working)
         if not queues:
             return
         try:
+            for queue, due in zip(
+                queues, await _ops.next_due(self._redis, self._keys, queues), strict=True
+            ):
+                self._promoter.note(queue, due)
             tokens = await _ops.deletions(self._redis, self._keys, queues)
         except BackendError as exc:
             self._log.warning("re-check after reconnect failed: %s", exc)
@@ -987,9 +1253,21 @@ class Worqr:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                     await self._quietly(self.stop_work(queue))
 
-    async def _settle(self, process: Process, outcome: str, detail: str | None) -> None:
+    async def _settle(
+        self,
+        process: Process,
+        outcome: str,
+        detail: str | None,
+        *,
+        trace: str = "",
+        delay: float | None = None,
+    ) -> None:
         """Apply a handler's outcome to its process, retrying while Redis refuses it
         and the lease holds (a lost lease hands every process back anyway).
+
+        ``fail``, ``retry`` (the handler raised `Retry`, ``delay`` from it) and
+        ``timeout`` end the attempt as failed with the error ``detail`` (a job may be
+        tried again); ``cancelled`` finishes a plain task and ends a job as cancelled.
 
         The process stays known to this peer, marked as ending, until Redis has
         answered: forgotten earlier, the audit would find it recorded but unknown and
@@ -999,11 +1277,17 @@ class Worqr:
         if await self._fenced(ref):  # reported lost with the rest of the worker's leases
             return
         action: Callable[[], Awaitable[object]]
-        if outcome in ("finish", "cancelled"):
+        if outcome == "cancelled" and process.envelope is not None:
+            action = lambda: self._fail_process(  # noqa: E731
+                ref, _ops.CANCELLED, final=True, known=process.stored
+            )
+        elif outcome in ("finish", "cancelled"):
             result = detail if outcome == "finish" else None
             action = lambda: self._finish_batched(process, ref, result)  # noqa: E731
-        elif outcome == "fail":
-            action = lambda: self._fail_process(ref, detail or "")  # noqa: E731
+        elif outcome in ("fail", "retry", "timeout"):
+            action = lambda: self._fail_process(  # noqa: E731
+                ref, detail or "", trace=trace, delay=delay, known=process.stored
+            )
         elif outcome == "requeue":
             action = lambda: self.stop_process(process)  # noqa: E731
         else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
@@ -1038,6 +1322,8 @@ class Worqr:
             return True
         except BackendError as exc:
             self._settle_failed(process, outcome, exc)
+        except Exception as exc:  # a stored value that breaks the outcome's writes
+            return await self._settle_broken(process, exc)
         backoff = 0.05
         while True:  # as long as the lease holds: giving up would run the task again
             await anyio.sleep(backoff)
@@ -1051,7 +1337,27 @@ class Worqr:
                 return True
             except BackendError as exc:
                 self._settle_failed(process, outcome, exc)
+            except Exception as exc:
+                return await self._settle_broken(process, exc)
             backoff = min(backoff * 2, 1.0)
+
+    async def _settle_broken(self, process: Process, exc: Exception) -> bool:
+        """End an attempt whose outcome could not be written for a reason other than
+        Redis (a value in the job's envelope out of range): to the failed list, for
+        good, rather than back to the queue to fail the same way again; True (keep
+        it held) if even that fails."""
+        self._log.exception(
+            "could not apply a handler's outcome; failing the attempt for good",
+            extra={"queue": process.queue, "process_id": process.id},
+        )
+        ref = split_process_id(process.id)
+        error = f"cannot apply the outcome: {type(exc).__name__}: {exc}"
+        try:
+            await self._fail_process(ref, error, final=True, known=process.stored)
+        except Exception:
+            self._log.exception("could not fail the attempt either; it stays held")
+            return True
+        return False
 
     def _settle_failed(self, process: Process, outcome: str, exc: BackendError) -> None:
         self._log.warning(
@@ -1071,7 +1377,10 @@ class Worqr:
             async def write(done: Sequence[tuple[Process, str | None]]) -> list[bool]:
                 if self._lost:
                     return [False] * len(done)
-                return await _ops.finish_many(self._redis, self._keys, self._worker_id, queue, done)
+                now = self._clock.estimate_ms()
+                return await _ops.finish_many(
+                    self._redis, self._keys, self._worker_id, queue, done, now
+                )
 
             finisher = self._finishers[queue] = GroupCommit(write, _FINISH_BATCH)
         try:
@@ -1079,14 +1388,38 @@ class Worqr:
         finally:
             if finisher.idle and self._finishers.get(queue) is finisher:
                 del self._finishers[queue]  # made again on the next finish: none kept idle
+        if not finished:
+            await self._fenced(ref)  # gone: see `_fail_process`
         self._note(ref, process.task if finished else None, failed=False)
         return finished
 
-    async def _fail_process(self, ref: ProcessRef, error: str) -> bool:
+    async def _fail_process(
+        self,
+        ref: ProcessRef,
+        error: str,
+        *,
+        trace: str = "",
+        delay: float | None = None,
+        final: bool = False,
+        known: str | None = None,
+    ) -> bool:
         if await self._fenced(ref):
             return False
+        now = await self._clock.now_ms(self._redis)
         with self._ending_process(ref.id):
-            task = await _ops.fail(self._redis, self._keys, ref, error)
+            task = await _ops.fail(
+                self._redis,
+                self._keys,
+                ref,
+                error,
+                now,
+                trace=trace,
+                delay=delay,
+                final=final,
+                known=known,
+            )
+        if task is None:  # gone: if the lease lapsed while the end was on its way (a peer
+            await self._fenced(ref)  # reclaimed it), it is reported lost with the rest
         self._held.pop(ref.id, None)
         self._note(ref, task, failed=True)
         return task is not None

@@ -16,6 +16,16 @@ default. These defaults matter for the figures:
   (``max_tries=5``).
 * ``handle_signals=True``: SIGINT/SIGTERM stop the worker, as with arq's CLI.
 
+Jobs. ``schedule`` enqueues with ``_defer_until`` (the same mechanism as ``_defer_by``:
+the job's score in the queue's sorted set is its due time in ms, by the producer's
+clock), `SUBMITTERS` calls at a time; a deferred job starts at the first poll after
+it is due, so lateness is up to ``poll_delay`` (0.5 s). ``roundtrip`` is
+``enqueue_job`` then ``await job.result()``, which polls every ``poll_delay=0.5`` s
+by default. ``retry``: arq retries a job only when it raises ``Retry``, so the
+always-failing handler raises ``Retry(defer=0)`` on tries 1 and 2 and ``RuntimeError``
+on try 3 (its function registered with ``max_tries=3``); a job counts as failed in
+``after_job_end``, which runs once arq has stored the failed result.
+
 arq has no batch enqueue, so ``enqueue --batch`` reports unsupported. Each
 ``enqueue_job`` call gets a fresh random job id (uuid4), so no task is deduplicated.
 Logging is left unconfigured (arq's CLI would log every job at INFO).
@@ -25,18 +35,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from arq.connections import ArqRedis, RedisSettings, create_pool
-from arq.worker import Worker, func
-from common import DrainClock, Schedule, emit, parse_args, run, say, started
+from arq.worker import Retry, Worker, func
+from common import (
+    DrainClock,
+    RetryClock,
+    Schedule,
+    due_times,
+    emit,
+    parse_args,
+    round_trips,
+    run,
+    say,
+    scheduled,
+    started,
+)
 
 ARGS = parse_args()
 TASK = "task"  # the function name jobs are enqueued under and registered as
 Ctx = dict[Any, Any]
+SUBMITTERS = 32  # enqueue_job calls in flight while filling the delayed set
 
 
 async def connect() -> ArqRedis:
@@ -44,10 +68,13 @@ async def connect() -> ArqRedis:
 
 
 def make_worker(
-    task: Callable[[Ctx, str], Awaitable[None]], redis: ArqRedis, **hooks: Any
+    task: Callable[[Ctx, str], Awaitable[str | None]],
+    redis: ArqRedis,
+    max_tries: int | None = None,
+    **hooks: Any,
 ) -> Worker:
     return Worker(
-        [func(task, name=TASK)],  # type: ignore[arg-type]
+        [func(task, name=TASK, max_tries=max_tries)],  # type: ignore[arg-type]
         queue_name=ARGS.queue,
         redis_pool=redis,
         max_jobs=ARGS.concurrency,
@@ -90,10 +117,11 @@ async def drain() -> None:
 
 
 async def worker() -> None:
-    async def task(ctx: Ctx, payload: str) -> None:
+    async def task(ctx: Ctx, payload: str) -> str | None:
         started(payload)
         if ARGS.hang:
             await asyncio.sleep(3600)
+        return payload if ARGS.reply else None
 
     async def ready(ctx: Ctx) -> None:  # on_startup runs right before the first poll
         say("ready")
@@ -113,5 +141,74 @@ async def produce() -> None:
     await redis.aclose()
 
 
-MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+async def schedule() -> None:
+    redis = await connect()
+    dues = due_times(ARGS.n, ARGS.rate, ARGS.lead)
+    queue = asyncio.Queue[int]()
+    for k in range(ARGS.n):
+        queue.put_nowait(k)
+
+    async def submitter() -> None:
+        while not queue.empty():
+            k = queue.get_nowait()
+            due = datetime.datetime.fromtimestamp(dues[k] / 1000, tz=datetime.timezone.utc)
+            await redis.enqueue_job(TASK, f"{dues[k]}:{k}", _defer_until=due)
+
+    await asyncio.gather(*(submitter() for _ in range(SUBMITTERS)))
+    scheduled(dues, time.time())
+    await redis.aclose()
+
+
+async def roundtrip() -> None:
+    redis = await connect()
+
+    async def once(payload: str) -> Any:
+        job = await redis.enqueue_job(TASK, payload)
+        assert job is not None
+        return await job.result()
+
+    await round_trips(ARGS.n, ARGS.interval, once)
+    await redis.aclose()
+
+
+async def retry() -> None:
+    redis = await connect()
+    for i in range(ARGS.n):
+        await redis.enqueue_job(TASK, str(i))
+    clock = RetryClock(ARGS.n)
+
+    async def task(ctx: Ctx, payload: str) -> None:
+        clock.attempt()
+        if ctx["job_try"] < ARGS.attempts:
+            raise Retry(defer=0)
+        ctx["failed"] = True
+        raise RuntimeError("always fails")
+
+    async def ended(ctx: Ctx) -> None:
+        if ctx.get("failed"):
+            clock.tick()
+
+    worker = make_worker(task, redis, max_tries=ARGS.attempts, after_job_end=ended)
+    clock.start()
+    main = asyncio.create_task(worker.async_run())
+    await clock.wait()
+    worker.allow_pick_jobs = False
+    while pending := [t for t in worker.tasks.values() if not t.done()]:
+        await asyncio.wait(pending)
+    worker.handle_sig(signal.SIGTERM)
+    with contextlib.suppress(asyncio.CancelledError):
+        await main
+    await worker.close()
+    emit(clock.result())
+
+
+MODES = {
+    "enqueue": enqueue,
+    "drain": drain,
+    "worker": worker,
+    "produce": produce,
+    "schedule": schedule,
+    "roundtrip": roundtrip,
+    "retry": retry,
+}
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

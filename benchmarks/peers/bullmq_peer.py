@@ -20,6 +20,21 @@ with ``Queue.add``, or with ``--batch`` with ``Queue.addBulk`` (one MULTI pipeli
 
 Every job also appends to the queue's events stream (XADD, capped near 10 000).
 
+Jobs. ``schedule`` adds with ``addBulk`` in chunks of `BATCH`, each job with the
+``delay`` option (due at its ``timestamp`` + ``delay``, by the producer's clock; the
+adapter passes ``timestamp`` too, so that the due time is exactly the one asked for,
+not the one of a millisecond later). An idle worker blocks in BZPOPMIN on the queue's
+marker key until the next delayed job's due time, and is woken by each add. bullmq
+3.4.4 rounds that timeout up to whole seconds: it checks ``canDoubleTimeout`` on the
+worker's blocking connection, whose capabilities keep their default (False) because
+the Redis version is only ever read on the other connection. A delayed job therefore
+starts up to 1 s after it is due, as if polled every second. ``roundtrip`` adds a job and waits for
+its ``completed`` event from a ``QueueEvents`` (a blocking XREAD on the events
+stream): the Python port has no ``waitUntilFinished``, so this is the pattern it
+stands for in Node. ``retry`` adds with ``attempts=--attempts`` and no ``backoff`` (a
+failed attempt goes straight back to ``wait``) and reads ``getFailedCount()`` (ZCARD
+of the ``failed`` set) every few milliseconds.
+
 The venv pins redis-py below 8: from 8.0 its default ``socket_timeout`` is 5 s, equal
 to ``drainDelay``, so an idle worker's BZPOPMIN times out on the client and redis-py
 retries with backoff growing to 20 s, during which new jobs wait.
@@ -31,8 +46,20 @@ import asyncio
 import time
 from typing import Any
 
-from bullmq import Job, Queue, Worker  # type: ignore[import-untyped]
-from common import DrainClock, Schedule, emit, parse_args, run, say, started
+from bullmq import Job, Queue, QueueEvents, Worker  # type: ignore[import-untyped]
+from common import (
+    DrainClock,
+    RetryClock,
+    Schedule,
+    due_times,
+    emit,
+    parse_args,
+    round_trips,
+    run,
+    say,
+    scheduled,
+    started,
+)
 
 ARGS = parse_args()
 BATCH = 1000
@@ -75,10 +102,11 @@ async def drain() -> None:
 
 
 async def worker() -> None:
-    async def process(job: Job, token: str) -> None:
+    async def process(job: Job, token: str) -> str | None:
         started(job.data["payload"])
         if ARGS.hang:
             await asyncio.sleep(3600)
+        return job.data["payload"] if ARGS.reply else None
 
     # The worker starts its loop as a background task and signals nothing when it has
     # connected: poll its flag.
@@ -98,5 +126,78 @@ async def produce() -> None:
     await queue.close()
 
 
-MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+async def schedule() -> None:
+    queue = Queue(ARGS.queue, connection())
+    dues = due_times(ARGS.n, ARGS.rate, ARGS.lead)
+    for first in range(0, ARGS.n, BATCH):
+        now = round(time.time() * 1000)
+        jobs = [
+            {**task(f"{dues[k]}:{k}"), "opts": {"timestamp": now, "delay": dues[k] - now}}
+            for k in range(first, min(ARGS.n, first + BATCH))
+        ]
+        await queue.addBulk(jobs)
+    scheduled(dues, time.time())
+    await queue.close()
+
+
+async def roundtrip() -> None:
+    queue = Queue(ARGS.queue, connection())
+    events = QueueEvents(ARGS.queue, connection())
+    while not events.running:  # noqa: ASYNC110 (it signals nothing when it reads)
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # its first XREAD (from "$") is sent by now
+    ended: dict[str, asyncio.Future[Any]] = {}
+
+    def future(job_id: str) -> asyncio.Future[Any]:
+        return ended.setdefault(job_id, asyncio.get_running_loop().create_future())
+
+    def completed(args: dict[str, Any], entry: str) -> None:
+        found = future(args["jobId"])
+        if not found.done():
+            found.set_result(args.get("returnvalue"))
+
+    events.on("completed", completed)
+
+    async def once(payload: str) -> Any:
+        job = await queue.add(NAME, {"payload": payload})
+        return await future(job.id)
+
+    await round_trips(ARGS.n, ARGS.interval, once)
+    await events.close()
+    await queue.close()
+
+
+async def retry() -> None:
+    queue = Queue(ARGS.queue, connection())
+    for first in range(0, ARGS.n, BATCH):
+        last = min(ARGS.n, first + BATCH)
+        await queue.addBulk(
+            [{**task(str(i)), "opts": {"attempts": ARGS.attempts}} for i in range(first, last)]
+        )
+    clock = RetryClock(ARGS.n)
+
+    async def process(job: Job, token: str) -> None:
+        clock.attempt()
+        raise RuntimeError("always fails")
+
+    async def failed() -> int:
+        return int(await queue.getFailedCount())
+
+    clock.start()
+    worker = Worker(ARGS.queue, process, {**connection(), "concurrency": ARGS.concurrency})
+    await clock.poll(failed)
+    await worker.close()
+    await queue.close()
+    emit(clock.result())
+
+
+MODES = {
+    "enqueue": enqueue,
+    "drain": drain,
+    "worker": worker,
+    "produce": produce,
+    "schedule": schedule,
+    "roundtrip": roundtrip,
+    "retry": retry,
+}
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

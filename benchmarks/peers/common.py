@@ -23,6 +23,27 @@ library. The suite drives every adapter through the same five modes:
 ``fleet --workers W`` (worqr only)
     Run W idle workers on the queue until terminated; prints ``ready`` once all work.
 
+The job workloads (benchmarks/jobs.py) add three modes and two ``worker`` flags:
+
+``schedule --n N --rate R --lead L``
+    Submit N delayed jobs, due R a second from ``L`` seconds from now on (`due_times`),
+    with the library's own delay option, batched where it has a batch call; each
+    payload is ``<due Unix ms>:<index>``. Prints ``{"first_due", "last_due", "filled"}``
+    (Unix seconds; ``filled`` is when the last submit returned).
+``roundtrip --n N --interval S``
+    N times, one after the other and S seconds apart: submit a job and wait for its
+    result with the library's own call (`round_trips`). Prints ``{"ms": [...],
+    "wrong": k}`` (k results that were not the payload).
+``retry --n N --attempts A --concurrency C``
+    Submit N jobs allowed A attempts with no delay between them, then run the
+    library's worker over them with a handler that always fails, until all N are
+    in its failed state (`RetryClock`). Prints the drain fields plus ``attempts``.
+``worker --buffered``
+    Keep the ``S`` lines in memory and write them every `FLUSH_EVERY` seconds (the
+    start times are taken when the handler starts, as without the flag).
+``worker --reply``
+    The handler returns its payload as the job's result.
+
 Every adapter uses the queue name given by ``--queue`` and connects to ``--url``.
 """
 
@@ -33,17 +54,24 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 IDLE_EXIT = 2.0
 """Seconds without a handler run after which an open-ended drain stops."""
+FLUSH_EVERY = 0.05
+"""Seconds between writes of a ``--buffered`` worker's start lines."""
+POLL_EVERY = 0.005
+"""Seconds between reads of a failed-job count, for libraries without a hook."""
+MODES = ["enqueue", "drain", "worker", "produce", "fleet", "schedule", "roundtrip", "retry"]
+_buffered = False
+_pending: list[str] = []
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The adapters' shared command line."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["enqueue", "drain", "worker", "produce", "fleet"])
+    parser.add_argument("mode", choices=MODES)
     parser.add_argument("--url", required=True)
     parser.add_argument("--queue", default="bench")
     parser.add_argument("--n", type=int, default=1000)
@@ -54,7 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=0.005)
     parser.add_argument("--workers", type=int, default=10)
     parser.add_argument("--uvloop", action="store_true", help="run under uvloop")
-    return parser.parse_args(argv)
+    parser.add_argument("--rate", type=float, default=1000.0)
+    parser.add_argument("--lead", type=float, default=1.0)
+    parser.add_argument("--attempts", type=int, default=3)
+    parser.add_argument("--buffered", action="store_true")
+    parser.add_argument("--reply", action="store_true")
+    args = parser.parse_args(argv)
+    global _buffered
+    _buffered = args.buffered
+    return args
 
 
 def emit(payload: dict[str, Any]) -> None:
@@ -69,8 +105,22 @@ def say(line: str) -> None:
 
 
 def started(payload: str) -> None:
-    """Report that a handler started on ``payload`` now."""
-    say(f"S {payload} {time.time()!r}")
+    """Report that a handler started on ``payload`` now (``--buffered``: a little later,
+    with the time of now)."""
+    line = f"S {payload} {time.time()!r}"
+    if not _buffered:
+        say(line)
+        return
+    if not _pending:
+        asyncio.get_running_loop().call_later(FLUSH_EVERY, _flush)
+    _pending.append(line)
+
+
+def _flush() -> None:
+    lines = "".join(line + "\n" for line in _pending)
+    _pending.clear()
+    sys.stdout.write(lines)
+    sys.stdout.flush()
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]], *, use_uvloop: bool) -> None:
@@ -141,3 +191,57 @@ class Schedule:
         delay = self.origin + self.index * self.interval - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+
+
+def due_times(n: int, rate: float, lead: float) -> list[int]:
+    """Due times (Unix ms) of ``n`` delayed jobs: ``rate`` a second, the first ``lead``
+    seconds from now. Whole milliseconds, so that every library stores the same ones."""
+    first = round((time.time() + lead) * 1000)
+    return [first + round(k * 1000 / rate) for k in range(n)]
+
+
+def scheduled(dues: list[int], filled: float) -> None:
+    """The ``schedule`` mode's output line."""
+    emit({"first_due": dues[0] / 1000, "last_due": dues[-1] / 1000, "filled": filled})
+
+
+async def round_trips(n: int, interval: float, once: Callable[[str], Awaitable[Any]]) -> None:
+    """Time ``once(payload)`` (submit, then wait for the result) ``n`` times, one after
+    the other; print the ``roundtrip`` output line."""
+    times, wrong = [], 0
+    for i in range(n):
+        payload = f"rt{i}"
+        begun = time.perf_counter()
+        result = await once(payload)
+        times.append(1000 * (time.perf_counter() - begun))
+        wrong += result != payload
+        await asyncio.sleep(interval)
+    emit({"ms": times, "wrong": wrong})
+
+
+class RetryClock(DrainClock):
+    """A `DrainClock` whose count is of jobs in the failed state, with the handler's
+    attempts counted too. Either `tick` per job from a hook that runs after the
+    library recorded the failure, or `poll` a count the library keeps."""
+
+    def __init__(self, expect: int) -> None:
+        super().__init__(expect)
+        self.attempts = 0
+
+    def attempt(self) -> None:
+        """Called at the start of every handler run."""
+        self.attempts += 1
+
+    async def poll(self, count: Callable[[], Awaitable[int]]) -> None:
+        """Read ``count()`` every `POLL_EVERY` seconds until it reaches ``expect``."""
+        while not self.done.is_set():
+            found = await count()
+            if found > self.count:
+                self.count = found
+                self.last_end = time.time()
+                if self.expect is not None and found >= self.expect:
+                    self.done.set()
+            await asyncio.sleep(POLL_EVERY)
+
+    def result(self) -> dict[str, Any]:
+        return {**super().result(), "attempts": self.attempts}

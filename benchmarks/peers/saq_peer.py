@@ -17,6 +17,19 @@ defaults matter for the figures:
   second attempt, the sweep marks it aborted and the task is never run again.
 * ``shutdown_grace_period_s=None``: stopping cancels running jobs at once.
 
+Jobs. ``schedule`` enqueues with ``scheduled=`` the due time in Unix seconds (ms
+precision: SAQ keeps it as the score of its ``incomplete`` sorted set and compares it
+with ``time.time()``, and its own retries store fractional times there too),
+`SUBMITTERS` calls at a time. A worker moves due jobs to the queue in its
+``schedule`` upkeep timer, every 1 s (``timers["schedule"]``), under a 1 s lock
+shared by the workers of the queue, so lateness is up to about 1 s. ``roundtrip``
+is ``enqueue`` then ``job.refresh(until_complete=...)``, which waits for the job's
+status on a pub/sub channel (``Queue.apply``, the other way, polls the job every
+``poll_interval=0.5`` s and sleeps once more after the result: about 1 s a call).
+``retry`` enqueues with ``retries=--attempts`` (``retry_delay`` 0: a failed attempt
+goes straight back to the queue) and counts a job in an ``after_process`` hook
+once SAQ has finished it as failed.
+
 SAQ 0.26 has no bulk enqueue (``Queue.batch()`` only aborts a group's jobs on error,
 ``Queue.map()`` enqueues concurrently and waits for results), so ``enqueue --batch``
 reports unsupported. Job keys default to uuid1, so every task is a new job.
@@ -28,14 +41,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from common import DrainClock, Schedule, emit, parse_args, run, say, started
-from saq import Worker
+from common import (
+    DrainClock,
+    RetryClock,
+    Schedule,
+    due_times,
+    emit,
+    parse_args,
+    round_trips,
+    run,
+    say,
+    scheduled,
+    started,
+)
+from saq import Status, Worker
 from saq.queue.redis import RedisQueue
 from saq.types import Context
 
 ARGS = parse_args()
 TASK = "task"  # the function name jobs are enqueued under and registered as
+SUBMITTERS = 32  # enqueue calls in flight while filling the delayed set
+ROUND_TRIP_LIMIT = 10.0  # seconds a round trip waits for its job at most
 
 
 async def connect() -> RedisQueue:
@@ -44,8 +72,10 @@ async def connect() -> RedisQueue:
     return queue
 
 
-def make_worker(task: Callable[..., Awaitable[None]], queue: RedisQueue) -> Worker[Context]:
-    return Worker(queue, [(TASK, task)], concurrency=ARGS.concurrency)
+def make_worker(
+    task: Callable[..., Awaitable[str | None]], queue: RedisQueue, **hooks: Any
+) -> Worker[Context]:
+    return Worker(queue, [(TASK, task)], concurrency=ARGS.concurrency, **hooks)
 
 
 async def blocked(queue: RedisQueue) -> int:
@@ -87,10 +117,11 @@ async def drain() -> None:
 
 
 async def worker() -> None:
-    async def task(ctx: Context, *, payload: str) -> None:
+    async def task(ctx: Context, *, payload: str) -> str | None:
         started(payload)
         if ARGS.hang:
             await asyncio.sleep(3600)
+        return payload if ARGS.reply else None
 
     queue = await connect()
     saq_worker = make_worker(task, queue)
@@ -112,5 +143,68 @@ async def produce() -> None:
     await queue.disconnect()
 
 
-MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+async def schedule() -> None:
+    queue = await connect()
+    dues = due_times(ARGS.n, ARGS.rate, ARGS.lead)
+    todo = list(range(ARGS.n))
+
+    async def submitter() -> None:
+        while todo:
+            k = todo.pop()
+            await queue.enqueue(TASK, payload=f"{dues[k]}:{k}", scheduled=dues[k] / 1000)
+
+    await asyncio.gather(*(submitter() for _ in range(SUBMITTERS)))
+    scheduled(dues, time.time())
+    await queue.disconnect()
+
+
+async def roundtrip() -> None:
+    queue = await connect()
+
+    async def once(payload: str) -> Any:
+        job = await queue.enqueue(TASK, payload=payload)
+        assert job is not None
+        await job.refresh(until_complete=ROUND_TRIP_LIMIT)
+        return job.result
+
+    await round_trips(ARGS.n, ARGS.interval, once)
+    await queue.disconnect()
+
+
+async def retry() -> None:
+    queue = await connect()
+    for i in range(ARGS.n):
+        await queue.enqueue(TASK, payload=str(i), retries=ARGS.attempts)
+    clock = RetryClock(ARGS.n)
+
+    async def task(ctx: Context, *, payload: str) -> None:
+        clock.attempt()
+        raise RuntimeError("always fails")
+
+    async def ended(ctx: Context) -> None:
+        job = ctx.get("job")
+        if job is not None and job.status == Status.FAILED:
+            clock.tick()
+
+    worker = make_worker(task, queue, after_process=ended)
+    clock.start()
+    main = asyncio.create_task(worker.start())
+    await clock.wait()
+    while worker.job_task_contexts:  # noqa: ASYNC110 (as in drain)
+        await asyncio.sleep(0.01)
+    await worker.stop()
+    await main
+    await queue.disconnect()
+    emit(clock.result())
+
+
+MODES = {
+    "enqueue": enqueue,
+    "drain": drain,
+    "worker": worker,
+    "produce": produce,
+    "schedule": schedule,
+    "roundtrip": roundtrip,
+    "retry": retry,
+}
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

@@ -17,6 +17,20 @@ The consumer group is created by ``broker.startup()`` at ``consumer_id="$"`` (th
 stream's end), so entries added before the group exists are never delivered. The
 producing modes therefore call ``startup()`` too (taskiq's normal client usage), which
 creates the group before their first XADD; nothing else is changed.
+
+Jobs. taskiq's brokers have no delay of their own: a task runs later only through a
+schedule source read by the separate ``taskiq scheduler`` process, which reloads its
+sources every 60 s (``update_interval``) and sends what is due on ticks of 1 s
+(taskiq-redis keys one-off schedules by the minute), so ``schedule`` reports
+unsupported rather than measure a lateness of up to a minute. ``roundtrip`` and
+``worker --reply`` give the broker taskiq-redis's ``RedisAsyncResultBackend`` (a
+result is only kept with one); the client waits with ``wait_result()``, which polls
+``is_ready`` every ``check_interval=0.2`` s by default. ``retry`` adds taskiq's
+``SimpleRetryMiddleware`` with ``default_retry_count=--attempts``, registers the task
+with the ``retry_on_error`` label (a failed attempt is kicked again at once as a new
+message), and counts a job in a middleware's ``post_save`` once its last attempt's
+error result is saved (to the default backend, which keeps nothing: taskiq has no
+failed list).
 """
 
 from __future__ import annotations
@@ -27,15 +41,33 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
-from common import DrainClock, Schedule, emit, parse_args, run, say, started
-from taskiq import AsyncTaskiqDecoratedTask
+from common import (
+    DrainClock,
+    RetryClock,
+    Schedule,
+    emit,
+    parse_args,
+    round_trips,
+    run,
+    say,
+    started,
+)
+from taskiq import (
+    AsyncTaskiqDecoratedTask,
+    SimpleRetryMiddleware,
+    TaskiqMessage,
+    TaskiqMiddleware,
+    TaskiqResult,
+)
 from taskiq.receiver import Receiver
-from taskiq_redis import RedisStreamBroker
+from taskiq_redis import RedisAsyncResultBackend, RedisStreamBroker
 
 ARGS = parse_args()
 BROKER = RedisStreamBroker(ARGS.url, queue_name=ARGS.queue)
+if ARGS.reply or ARGS.mode == "roundtrip":
+    BROKER = BROKER.with_result_backend(RedisAsyncResultBackend(ARGS.url))
 TASK = "bench"
-Handler = Callable[[str], Awaitable[None]]
+Handler = Callable[[str], Awaitable[str | None]]
 
 
 async def enqueue() -> None:
@@ -61,10 +93,11 @@ async def drain() -> None:
 
 
 async def worker() -> None:
-    async def handler(payload: str) -> None:
+    async def handler(payload: str) -> str | None:
         started(payload)
         if ARGS.hang:
             await asyncio.sleep(3600)
+        return payload if ARGS.reply else None
 
     # Once startup() has run, the group exists and any task added from now on waits
     # in the stream for the receiver, so the worker is ready.
@@ -78,6 +111,49 @@ async def produce() -> None:
         for _ in range(ARGS.n):
             await task.kiq(repr(time.time()))
             await schedule.next()
+
+
+async def schedule() -> None:
+    emit({"unsupported": "taskiq delays only through `taskiq scheduler` (60 s reload, 1 s ticks)"})
+
+
+async def roundtrip() -> None:
+    async with producing() as task:
+
+        async def once(payload: str) -> Any:
+            kicked = await task.kiq(payload)
+            return (await kicked.wait_result()).return_value
+
+        await round_trips(ARGS.n, ARGS.interval, once)
+
+
+class Ended(TaskiqMiddleware):
+    """Counts the jobs whose last attempt's error result was saved."""
+
+    def __init__(self, clock: RetryClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def post_save(self, message: TaskiqMessage, result: TaskiqResult[Any]) -> None:
+        if result.is_err:
+            self.clock.tick()
+
+
+async def retry() -> None:
+    clock = RetryClock(ARGS.n)
+
+    async def handler(payload: str) -> None:
+        clock.attempt()
+        raise RuntimeError("always fails")
+
+    async def fill(task: AsyncTaskiqDecoratedTask[[str], Any]) -> None:
+        for i in range(ARGS.n):
+            await task.kiq(str(i))
+
+    BROKER.add_middlewares(SimpleRetryMiddleware(default_retry_count=ARGS.attempts), Ended(clock))
+    async with consuming(handler, before=clock.start, fill=fill, retry_on_error=True):
+        await clock.wait()
+    emit(clock.result())
 
 
 async def noop(payload: str) -> None:
@@ -96,14 +172,23 @@ async def producing() -> AsyncIterator[AsyncTaskiqDecoratedTask[[str], Coroutine
 
 
 @contextlib.asynccontextmanager
-async def consuming(handler: Handler, before: Callable[[], None]) -> AsyncIterator[None]:
-    """Run a receiver over ``handler`` for the block, then stop it gracefully.
+async def consuming(
+    handler: Handler,
+    before: Callable[[], None],
+    fill: Callable[[AsyncTaskiqDecoratedTask[[str], Any]], Awaitable[None]] | None = None,
+    **labels: Any,
+) -> AsyncIterator[None]:
+    """Run a receiver over ``handler`` (registered with ``labels``) for the block,
+    then stop it gracefully.
 
-    ``before`` is called once the broker is started, just before the receiver is.
+    ``fill`` (kicking the task) runs once the broker is started, then ``before`` is
+    called, just before the receiver starts.
     """
-    BROKER.register_task(handler, TASK)
+    task = BROKER.register_task(handler, TASK, **labels)
     BROKER.is_worker_process = True
     await BROKER.startup()
+    if fill is not None:
+        await fill(task)
     receiver = Receiver(BROKER, max_async_tasks=ARGS.concurrency, run_startup=False)
     finish = asyncio.Event()
     before()
@@ -117,5 +202,13 @@ async def consuming(handler: Handler, before: Callable[[], None]) -> AsyncIterat
         await BROKER.shutdown()
 
 
-MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+MODES = {
+    "enqueue": enqueue,
+    "drain": drain,
+    "worker": worker,
+    "produce": produce,
+    "schedule": schedule,
+    "roundtrip": roundtrip,
+    "retry": retry,
+}
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

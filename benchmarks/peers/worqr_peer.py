@@ -1,4 +1,18 @@
-"""The benchmark adapter for worqr (see common.py for the modes)."""
+"""The benchmark adapter for worqr (see common.py for the modes).
+
+Jobs: ``schedule`` submits with ``submit_many(at=...)`` in batches of `BATCH` (the due
+time in Unix seconds, judged by the Redis server's clock, which on this host is the
+producer's clock too); every worker of the queue keeps a timer at the earliest due
+time and is woken early by the ``delayed`` event of each submit, so nothing polls.
+``roundtrip`` is ``submit`` then ``await job.result()`` (it listens on the queue's
+``done`` channel). ``retry`` submits with ``max_attempts`` and ``backoff=0`` and
+reads the failed list's length (`Worqr.statistics`) every few milliseconds.
+
+The job modes, and ``worker`` with ``--buffered`` or ``--reply``, build their client
+with `Worqr.from_url`, as the README does (its pool waits for a connection when all
+are busy); the other modes keep the plain ``Redis.from_url`` client their published
+figures were measured with.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +21,36 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from common import DrainClock, Schedule, emit, parse_args, run, say, started
+from common import (
+    DrainClock,
+    RetryClock,
+    Schedule,
+    due_times,
+    emit,
+    parse_args,
+    round_trips,
+    run,
+    say,
+    scheduled,
+    started,
+)
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
 
 ARGS = parse_args()
-Handler = Callable[[Process], Awaitable[None]]
+Handler = Callable[[Process], Awaitable[str | None]]
 BATCH = 1000
+
+
+def plain() -> Worqr:
+    """The client of the suite's modes."""
+    return Worqr(Redis.from_url(ARGS.url))
+
+
+def jobs_client() -> Worqr:
+    """The client of the job modes."""
+    return Worqr.from_url(ARGS.url)
 
 
 async def enqueue() -> None:
@@ -46,12 +82,13 @@ async def drain() -> None:
 
 
 async def worker() -> None:
-    async def handler(process: Process) -> None:
+    async def handler(process: Process) -> str | None:
         started(process.task)
         if ARGS.hang:
             await asyncio.sleep(3600)
+        return process.task if ARGS.reply else None
 
-    async with Worqr(Redis.from_url(ARGS.url)) as worqr:
+    async with jobs_client() if ARGS.buffered or ARGS.reply else plain() as worqr:
         await worqr.start_worker()
         async with consuming(worqr, handler):
             say("ready")
@@ -92,5 +129,61 @@ async def consuming(worqr: Worqr, handler: Handler) -> AsyncIterator[None]:
             await task
 
 
-MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce, "fleet": fleet}
+async def schedule() -> None:
+    dues = due_times(ARGS.n, ARGS.rate, ARGS.lead)
+    async with jobs_client() as worqr:
+        for first in range(0, ARGS.n, BATCH):
+            chunk = range(first, min(ARGS.n, first + BATCH))
+            # One call per due time: submit_many gives all its jobs one `at`.
+            by_due: dict[int, list[str]] = {}
+            for k in chunk:
+                by_due.setdefault(dues[k], []).append(f"{dues[k]}:{k}")
+            for due, payloads in by_due.items():
+                await worqr.submit_many(ARGS.queue, payloads, at=due / 1000)
+        scheduled(dues, time.time())
+
+
+async def roundtrip() -> None:
+    async with jobs_client() as worqr:
+
+        async def once(payload: str) -> str | None:
+            job = await worqr.submit(ARGS.queue, payload)
+            return await job.result()
+
+        await round_trips(ARGS.n, ARGS.interval, once)
+
+
+async def retry() -> None:
+    clock = RetryClock(ARGS.n)
+
+    async def handler(process: Process) -> None:
+        clock.attempt()
+        raise RuntimeError("always fails")
+
+    async with jobs_client() as worqr:
+        for first in range(0, ARGS.n, BATCH):
+            payloads = [str(i) for i in range(first, min(ARGS.n, first + BATCH))]
+            await worqr.submit_many(ARGS.queue, payloads, max_attempts=ARGS.attempts, backoff=0)
+        await worqr.start_worker()
+
+        async def failed() -> int:
+            return (await worqr.statistics(ARGS.queue)).failed
+
+        clock.start()
+        async with consuming(worqr, handler):
+            await clock.poll(failed)
+        await worqr.shutdown()
+    emit(clock.result())
+
+
+MODES = {
+    "enqueue": enqueue,
+    "drain": drain,
+    "worker": worker,
+    "produce": produce,
+    "fleet": fleet,
+    "schedule": schedule,
+    "roundtrip": roundtrip,
+    "retry": retry,
+}
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
