@@ -159,17 +159,17 @@ async def test_the_lost_job_repair_never_ends_a_job_handed_back_between_its_look
     job = await admin.submit("q", "payload", max_attempts=3)
     process = await worker.dequeue("q")
     assert process is not None and process.job_id == job.id
-    reads = _ops.reads
+    beside = _ops._beside
     handed_back = False
 
-    async def racing(client: Client, commands: Sequence[_ops.Command]) -> list[Any]:
+    async def racing(pipe: Any, commands: Sequence[_ops.Command]) -> list[Any]:
         nonlocal handed_back
         if not handed_back and commands and str(commands[0][1]).endswith(":holders"):
             handed_back = True  # after the look in the task list, before the process lists
             assert await worker.stop_process(process)
-        return await reads(client, commands)
+        return await beside(pipe, commands)
 
-    monkeypatch.setattr(_ops, "reads", racing)
+    monkeypatch.setattr(_ops, "_beside", racing)
     now = await admin._clock.now_ms(admin._redis)
     assert not await _ops.end_lost_job(admin._redis, admin._keys, "q", job.id, now)
     assert handed_back

@@ -892,9 +892,9 @@ async def test_a_huge_payload_and_result_round_trip_whole(real_make: Factory) ->
 async def paused_after(
     monkeypatch: pytest.MonkeyPatch, matches: Callable[[tuple[Any, ...]], bool]
 ) -> AsyncIterator[tuple[asyncio.Event, asyncio.Event]]:
-    """Pause the first `_ops.read` whose command ``matches`` (or `_ops.reads` whose
-    first command does), after its reply: yields (paused, resume)."""
-    read, reads = worqr._ops.read, worqr._ops.reads
+    """Pause the first `_ops.read` whose command ``matches`` (or `_ops.reads` or
+    `_ops._beside` whose first command does), after its reply: yields (paused, resume)."""
+    read, reads, beside = worqr._ops.read, worqr._ops.reads, worqr._ops._beside
     paused, resume = asyncio.Event(), asyncio.Event()
 
     async def pause_if(command: tuple[Any, ...]) -> None:
@@ -913,14 +913,22 @@ async def paused_after(
             await pause_if(tuple(commands[0]))
         return replies
 
+    async def pausing_beside(pipe: Any, commands: Any) -> Any:
+        replies = await beside(pipe, commands)
+        if commands:
+            await pause_if(tuple(commands[0]))
+        return replies
+
     monkeypatch.setattr(worqr._ops, "read", pausing)
     monkeypatch.setattr(worqr._ops, "reads", pausing_all)
+    monkeypatch.setattr(worqr._ops, "_beside", pausing_beside)
     try:
         yield paused, resume
     finally:
         resume.set()
         monkeypatch.setattr(worqr._ops, "read", read)
         monkeypatch.setattr(worqr._ops, "reads", reads)
+        monkeypatch.setattr(worqr._ops, "_beside", beside)
 
 
 async def test_two_submits_of_one_id_racing_write_it_once(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -84,6 +85,50 @@ async def test_a_burst_of_never_resent_transactions_waits_for_connections(url: s
         assert outcomes == [1] * BURST
         assert await worqr.get_tasks("q") == []
         await worqr.delete_queue("q")
+
+
+async def test_a_burst_of_checked_submits_larger_than_the_pool_waits_for_connections(
+    url: str,
+) -> None:
+    """A submit with its own id reads the index beside its WATCH: on the watching
+    connection, so that a burst of them never holds every connection of the pool,
+    each waiting for one more."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    async with Worqr.from_url(url, prefix=prefix) as worqr:
+        ids = [f"j{n}" for n in range(BURST)]
+        outcomes = await _settled([worqr.submit("q", job_id, job_id=job_id) for job_id in ids])
+        assert [repr(o) for o in outcomes if isinstance(o, BaseException)] == []
+        assert len(await worqr.get_tasks("q")) == BURST
+        await worqr.delete_queue("q")
+
+
+async def test_a_burst_of_failing_handlers_on_a_small_pool_runs_each_attempt_once(
+    redis_url: str,
+) -> None:
+    """Fifty handlers fail at once, again and again, on a pool of ten connections: each
+    end of an attempt holds one connection (its WATCH) and reads on that same one, so
+    the ends never wait on each other; no lease is lost, no attempt runs twice."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    url = _with(redis_url, "max_connections=10&pool_timeout=3")
+    runs: dict[tuple[str | None, int], int] = {}
+
+    async def failing(process: Any) -> None:
+        key = (process.job_id, process.attempt)
+        runs[key] = runs.get(key, 0) + 1
+        raise RuntimeError("always fails")
+
+    async with Worqr.from_url(url, prefix=prefix) as worqr:
+        await worqr.submit_many("q", [str(n) for n in range(300)], max_attempts=2, backoff=0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(worqr.consume, "q", failing, concurrency=50))
+            await eventually(lambda: _failed(worqr, 300), within=60)
+            tg.cancel_scope.cancel()
+        assert sum(runs.values()) == 600 and set(runs.values()) == {1}
+        await worqr.delete_queue("q")
+
+
+async def _failed(worqr: Worqr, count: int) -> bool:
+    return (await worqr.statistics("q")).failed >= count
 
 
 async def test_the_derived_pool_of_a_client_whose_pool_fails_at_once_waits(

@@ -9,7 +9,6 @@ crash between them loses nothing (docs/diagrams/cluster.md gives the argument).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import hashlib
@@ -90,6 +89,30 @@ async def reads(r: Client, commands: Sequence[Command]) -> list[Any]:
         for command in commands:
             pipe.execute_command(*command)
         return _unless_wrong(await pipe.execute(raise_on_error=False))
+
+
+async def _beside(pipe: Pipeline, commands: Sequence[Command]) -> list[Any]:
+    """Reads sent on a WATCHing pipeline's own connection, in one round trip: their raw
+    replies in order, a WRONGTYPE error in place (as `reads`).
+
+    Not on another connection of the pool: an operation that holds one connection must
+    never wait for a second, or enough of them at once (a burst of failing handlers)
+    hold every connection of the pool, each waiting for one more, until the pool's
+    timeout. Reads after WATCH on its own connection are covered by it all the same.
+    """
+    if not commands:
+        return []
+    connection = pipe.connection
+    if connection is None:
+        raise RuntimeError("_beside needs a pipeline that has sent its WATCH")
+    await connection.send_packed_command(connection.pack_commands(commands))
+    replies: list[Any] = []
+    for _ in commands:  # every reply is read, so the connection stays in step
+        try:
+            replies.append(await connection.read_response())
+        except ResponseError as exc:
+            replies.append(exc)
+    return _unless_wrong(replies)
 
 
 async def read(client: Client | Pipeline, *command: str | int | float) -> Any:
@@ -800,12 +823,12 @@ async def submit(
         if registers:
             pipe.execute_command("SADD", keys.queues, queue)
 
-    async def body(client: Client, pipe: Pipeline) -> None:
-        # Beside the watch, in one round trip: the ids in the index, and the types of
-        # the keys the push writes (a push failing inside MULTI would replace the
-        # records of ended lives, their outcomes, for nothing).
-        scores, *types = await reads(
-            client,
+    async def body(pipe: Pipeline) -> None:
+        # In one round trip: the ids in the index, and the types of the keys the push
+        # writes (a push failing inside MULTI would replace the records of ended
+        # lives, their outcomes, for nothing).
+        scores, *types = await _beside(
+            pipe,
             [
                 ("ZMSCORE", keys.jobs(queue), *ids),
                 ("TYPE", keys.tasks(queue)),
@@ -842,7 +865,7 @@ async def submit(
     async def pushed(client: Client, node_once: Client) -> None:
         if check:
             watch = [keys.job(queue, job_id) for job_id in ids]
-            _, replies = await _optimistic(client, watch, functools.partial(body, client))
+            _, replies = await _optimistic(client, watch, body)
         else:
             replies = await on_slot(node_once, keys.tasks(queue), transaction)
         if registers:
@@ -926,9 +949,8 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
     async def body(pipe: Pipeline) -> Promotion:
         seconds, micros = await call(pipe, "TIME")
         now = int(text(seconds)) * 1000 + int(text(micros)) // 1000
-        # Read beside the watch (the watch still covers them), in one round trip.
-        head, after = await reads(
-            r,
+        head, after = await _beside(
+            pipe,
             [
                 (
                     "ZRANGE",
@@ -1304,7 +1326,7 @@ async def _end_process(
     and a job's record is watched because a cancel may end the job meanwhile.
       1. WATCH p:<id> [j:<job>]           (known: one round trip)
          EXISTS p:<id>                    -> 0: UNWATCH, return None (gone)
-           beside it, on another connection: TYPE <key> (per check);
+           with it, on the same connection: TYPE <key> (per check);
            HMGET j:<job> state            -> done/failed: the job ended (cancelled)
          (not known: WATCH p:<id>;  LINDEX p:<id> 0 -> nil: gone;  WATCH j:<job>;
           then the reads beside, alone)
@@ -1337,9 +1359,9 @@ async def _end_process(
         if envelope is not None:
             side.append(("HMGET", keys.job(queue, envelope.header.id), "state", "env"))
         if known is None:
-            replies = await reads(r, side)
+            replies = await _beside(pipe, side)
         else:
-            exists, replies = await asyncio.gather(call(pipe, "EXISTS", proc), reads(r, side))
+            exists, *replies = await _beside(pipe, [("EXISTS", proc), *side])
             if not exists:
                 await pipe.reset()
                 return None
@@ -1515,7 +1537,7 @@ async def finish_many(
       2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
                                              (one round trip), and back to 1 with the
                                              ones that exist (the others: False)
-         HMGET j:<job> state ...          (beside 2, on another connection: a job
+         HMGET j:<job> state ...          (with 2, on the same connection: a job
                                              that ended meanwhile, cancelled, keeps its
                                              outcome: no writes of step 9 for it)
       3. MULTI
@@ -1545,13 +1567,10 @@ async def finish_many(
             procs: list[str] = procs,
             records_of: list[str] = records_of,
         ) -> bool:
-            # The records are watched too: read beside the EXISTS (on another
-            # connection, after the WATCH), a cancel landing after the read aborts EXEC.
+            # The records are watched too: read with the EXISTS, after the WATCH, a
+            # cancel landing after the read aborts EXEC.
             looks: list[Command] = [("HMGET", record, "state", "env") for record in records_of]
-            if looks:
-                exists, states = await asyncio.gather(call(pipe, "EXISTS", *procs), reads(r, looks))
-            else:  # plain tasks only: nothing to read beside (no task made on the hot path)
-                exists, states = await call(pipe, "EXISTS", *procs), []
+            exists, *states = await _beside(pipe, [("EXISTS", *procs), *looks])
             if exists != len(procs):
                 await pipe.reset()
                 return False
@@ -1862,8 +1881,8 @@ async def reclaim(
             await _require(pipe, keys.tasks(queue), "list")
             if quarantine_after:
                 await _require(pipe, keys.failed(queue), "list")
-        counts = await _death_counts(r, keys, queue, ids, with_counts=bool(quarantine_after))
-        ended = await _ended_jobs(pipe, r, keys, queue, [task for task, _ in counts.values()])
+        counts = await _death_counts(pipe, keys, queue, ids, with_counts=bool(quarantine_after))
+        ended = await _ended_jobs(pipe, keys, queue, [task for task, _ in counts.values()])
         plan: list[tuple[str, str | None, int]] = []  # what each group of replies is
         pipe.multi()
         for pid in ids:
@@ -1933,17 +1952,17 @@ async def reclaim(
 
 
 async def _death_counts(
-    r: Client, keys: Keys, queue: str, ids: Sequence[str], *, with_counts: bool = True
+    pipe: Pipeline, keys: Keys, queue: str, ids: Sequence[str], *, with_counts: bool = True
 ) -> dict[str, tuple[str, int]]:
-    """Each process's task and (``with_counts``) how often holders of that task died
-    so far.
+    """In a WATCHed pipeline: each process's task and (``with_counts``) how often
+    holders of that task died so far.
 
     Read outside the transaction: the WATCH on the worker's held set already aborts
     it if any of these processes changes.
     """
     if not ids:
         return {}
-    raw_tasks = await reads(r, [("LINDEX", keys.process(queue, pid), 0) for pid in ids])
+    raw_tasks = await _beside(pipe, [("LINDEX", keys.process(queue, pid), 0) for pid in ids])
     tasks = {
         pid: text(raw)
         for pid, raw in zip(ids, raw_tasks, strict=True)
@@ -1952,7 +1971,7 @@ async def _death_counts(
     if not tasks or not with_counts:
         return {pid: (task, 0) for pid, task in tasks.items()}
     digests = [death_field(task) for task in tasks.values()]
-    (counts,) = await reads(r, [("HMGET", keys.deaths(queue), *digests)])
+    (counts,) = await _beside(pipe, [("HMGET", keys.deaths(queue), *digests)])
     if is_wrong_type(counts):  # a wrong-typed deaths hash counts nothing (check's)
         counts = [None] * len(digests)
     return {
@@ -1960,9 +1979,7 @@ async def _death_counts(
     }
 
 
-async def _ended_jobs(
-    pipe: Pipeline, r: Client, keys: Keys, queue: str, tasks: Sequence[str]
-) -> set[str]:
+async def _ended_jobs(pipe: Pipeline, keys: Keys, queue: str, tasks: Sequence[str]) -> set[str]:
     """In a WATCHed pipeline: watch the records of the jobs among ``tasks`` and return
     the ids of those that ended already (cancelled while they ran): their envelopes
     must not go back to the queue."""
@@ -1970,8 +1987,8 @@ async def _ended_jobs(
     if not envelopes:
         return set()
     await pipe.watch(*{keys.job(queue, e.header.id) for e in envelopes})
-    states = await reads(
-        r, [("HMGET", keys.job(queue, e.header.id), "state", "env") for e in envelopes]
+    states = await _beside(
+        pipe, [("HMGET", keys.job(queue, e.header.id), "state", "env") for e in envelopes]
     )
     return {e.raw for e, reply in zip(envelopes, states, strict=True) if _says_ended(reply, e.raw)}
 
@@ -2683,10 +2700,10 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
             return False
         if await read(pipe, "ZSCORE", keys.delayed(queue), env) is not None:
             return False
-        (holders,) = await reads(r, [("SMEMBERS", keys.holders(queue))])
+        (holders,) = await _beside(pipe, [("SMEMBERS", keys.holders(queue))])
         held: list[Command] = [("SMEMBERS", keys.held(queue, w)) for w in members(holders)]
-        pids = [pid for reply in await reads(r, held) for pid in members(reply)]
-        tasks = await reads(r, [("LINDEX", keys.process(queue, pid), 0) for pid in pids])
+        pids = [pid for reply in await _beside(pipe, held) for pid in members(reply)]
+        tasks = await _beside(pipe, [("LINDEX", keys.process(queue, pid), 0) for pid in pids])
         if any(isinstance(t, str | bytes) and text(t) == env for t in tasks):
             return False
         pipe.multi()
