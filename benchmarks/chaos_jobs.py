@@ -1111,22 +1111,26 @@ DOCUMENTED_OFF_PLAN = frozenset(
 )
 
 
+MUST_BE_ZERO = (
+    "lost",
+    "ended twice",
+    "records not matching their runs",
+    "cancelled while running, record counting one attempt fewer",
+    "info() or result() not matching the record",
+    "result() that never returned",
+    "delayed jobs started before due",
+    "retries started early by half their wait or more",
+    "cancelled jobs that ended otherwise",
+    "cancelled jobs dequeued again after the cancel",
+)
+"""The figures of a phase's jobs that fail the run unless they are 0."""
+
+
 def failures(phase: str, figures: dict[str, Any]) -> list[str]:
     """Why a phase's jobs fail the run (counts only; in the calm phase, where no fault
     strikes, any duplicate or attempt off plan)."""
     problems = []
-    for name in (
-        "lost",
-        "ended twice",
-        "records not matching their runs",
-        "cancelled while running, record counting one attempt fewer",
-        "info() or result() not matching the record",
-        "result() that never returned",
-        "delayed jobs started before due",
-        "retries started early by half their wait or more",
-        "cancelled jobs that ended otherwise",
-        "cancelled jobs dequeued again after the cancel",
-    ):
+    for name in MUST_BE_ZERO:
         if figures.get(name):
             problems.append(f"{phase} jobs: {figures[name]} {name}")
     duplicates = figures.get("duplicate runs by kind") or {}

@@ -25,11 +25,9 @@ as it is (and the suite keeps this part when it rewrites the page).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -401,41 +399,14 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
-    parser.add_argument("--peers", default=",".join(LIBRARIES), help="libraries to run")
-    parser.add_argument("--out", type=Path, default=suite.ROOT / "docs")
-    parser.add_argument(
-        "--python",
-        action="append",
-        default=[],
-        metavar="LIB=PATH",
-        help="use this interpreter for a library instead of making a venv",
-    )
-    parser.add_argument(
-        "--render", type=Path, metavar="JSON", help="rewrite the Jobs part from a saved run"
-    )
-    args = parser.parse_args(argv)
-    if args.render:
-        saved = json.loads(args.render.read_text())
-        results = Results(saved["samples"], saved["notes"])
-        write(args.out, results, saved["meta"], list(saved["meta"]["versions"]))
+    called = suite.command_line(argv, __doc__.split("\n\n")[0], list(LIBRARIES), write)
+    if called is None:
         return 0
-    libraries = [lib for lib in args.peers.split(",") if lib]
-    unknown = set(libraries) - set(LIBRARIES)
-    if unknown:
-        parser.error(f"unknown libraries: {', '.join(sorted(unknown))}")
-    overrides = {
-        lib: os.path.abspath(path) for lib, path in (item.split("=", 1) for item in args.python)
-    }
     started = time.monotonic()
-    results, meta = run(libraries, QUICK if args.quick else FULL, overrides)
-    meta["machine"] = suite.machine()
-    meta["python"] = platform.python_version()
-    meta["mode"] = "quick" if args.quick else "full"
-    meta["date"] = time.strftime("%Y-%m-%d")
+    results, meta = run(called.libraries, QUICK if called.args.quick else FULL, called.overrides)
+    called.stamp(meta)
     meta["seconds"] = round(time.monotonic() - started)
-    write(args.out, results, meta, libraries)
+    write(called.args.out, results, meta, called.libraries)
     return 0
 
 

@@ -655,10 +655,34 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+Writer = Callable[[Path, Results, dict[str, Any], list[str]], None]
+
+
+@dataclass
+class Invocation:
+    """A benchmark's command line, read: the libraries to run and the interpreters given
+    for some of them."""
+
+    args: argparse.Namespace
+    libraries: list[str]
+    overrides: dict[str, str]
+
+    def stamp(self, meta: dict[str, Any]) -> None:
+        """Write where and how the run ran into its ``meta``."""
+        meta["machine"] = machine()
+        meta["python"] = platform.python_version()
+        meta["mode"] = "quick" if self.args.quick else "full"
+        meta["date"] = time.strftime("%Y-%m-%d")
+
+
+def command_line(
+    argv: list[str] | None, description: str, known: list[str], write: Writer
+) -> Invocation | None:
+    """Read the command line shared by the benchmarks against peers; None once
+    ``--render`` rewrote the page from a saved run (with ``write``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
-    parser.add_argument("--peers", default=",".join(REQUIREMENTS), help="libraries to run")
+    parser.add_argument("--peers", default=",".join(known), help="libraries to run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument(
         "--python",
@@ -675,21 +699,25 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(args.render.read_text())
         results = Results(saved["samples"], saved["notes"])
         write(args.out, results, saved["meta"], list(saved["meta"]["versions"]))
-        return 0
+        return None
     libraries = [lib for lib in args.peers.split(",") if lib]
-    unknown = set(libraries) - set(REQUIREMENTS)
+    unknown = set(libraries) - set(known)
     if unknown:
         parser.error(f"unknown libraries: {', '.join(sorted(unknown))}")
     overrides = {
         lib: os.path.abspath(path) for lib, path in (item.split("=", 1) for item in args.python)
     }
-    results, meta = run(libraries, QUICK if args.quick else FULL, overrides)
-    meta["machine"] = machine()
-    meta["python"] = platform.python_version()
-    meta["mode"] = "quick" if args.quick else "full"
-    meta["date"] = time.strftime("%Y-%m-%d")
-    meta["chart_python"] = python_of("worqr", overrides)
-    write(args.out, results, meta, libraries)
+    return Invocation(args, libraries, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    called = command_line(argv, __doc__.split("\n\n")[0], list(REQUIREMENTS), write)
+    if called is None:
+        return 0
+    results, meta = run(called.libraries, QUICK if called.args.quick else FULL, called.overrides)
+    called.stamp(meta)
+    meta["chart_python"] = python_of("worqr", called.overrides)
+    write(called.args.out, results, meta, called.libraries)
     return 0
 
 

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 from redis.asyncio import Redis
 
-from worqr import Worqr
+from worqr import Process, Worqr
 
 FAST = {"heartbeat_interval": 0.1, "worker_timeout": 0.5, "cleanup_interval": 0.1}
 """Short intervals so that supervision tests run in well under a second."""
 
 Factory = Callable[..., Worqr]
+Handler = Callable[[Process], Awaitable[str | None]]
+
+
+@contextlib.asynccontextmanager
+async def consuming(
+    worker: Worqr, handler: Handler, *, queue: str, concurrency: int = 1
+) -> AsyncIterator[None]:
+    """``worker.consume(queue, handler)`` for the length of the block."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(worker.consume, queue, handler, concurrency=concurrency))
+        yield
+        tg.cancel_scope.cancel()
 
 
 async def eventually(

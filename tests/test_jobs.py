@@ -39,15 +39,15 @@ from worqr import (
 )
 from worqr._connections import Client
 
-from .helpers import FAST, Factory, eventually, raw_keys
+from .helpers import FAST, Factory, Handler, eventually, raw_keys
+from .helpers import consuming as consuming_queue
 from .proxy import LatencyProxy
 
 Q = "jobs"
+consuming = functools.partial(consuming_queue, queue=Q)
 EPS = 0.05
 """Seconds a peer's estimate of the server's clock (best of a few ``TIME`` round
 trips on loopback) may be off: the slack of bounds on due times a peer computed."""
-
-Handler = Callable[[Process], Awaitable[str | None]]
 
 
 async def server_time(redis: Client) -> float:
@@ -57,17 +57,6 @@ async def server_time(redis: Client) -> float:
         reply = next(iter(reply.values()))
     seconds, micros = reply
     return int(seconds) + int(micros) / 1_000_000
-
-
-@contextlib.asynccontextmanager
-async def consuming(
-    worker: Worqr, handler: Handler, *, queue: str = Q, concurrency: int = 1
-) -> AsyncIterator[None]:
-    """``worker.consume(queue, handler)`` for the length of the block."""
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(worker.consume, queue, handler, concurrency=concurrency))
-        yield
-        tg.cancel_scope.cancel()
 
 
 def status_is(job: Job, *wanted: JobStatus) -> Callable[[], Awaitable[bool]]:

@@ -19,7 +19,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,12 @@ from worqr._envelope import MARKER
 from worqr._names import new_process_id
 
 from .helpers import FAST, Factory, eventually, raw_keys
+from .helpers import consuming as consuming_queue
 from .proxy import LatencyProxy
 
 Q = "adv"
+consuming = functools.partial(consuming_queue, queue=Q)
 ROOT = Path(__file__).resolve().parent.parent
-Handler = Callable[[Process], Awaitable[str | None]]
 
 
 def key(prefix: str, kind: str, queue: str = Q) -> str:
@@ -76,16 +77,6 @@ def job_of(stored: str) -> str | None:
 async def server_ms(redis: Redis) -> int:
     seconds, micros = await redis.time()
     return int(seconds) * 1000 + int(micros) // 1000
-
-
-@contextlib.asynccontextmanager
-async def consuming(
-    worker: Worqr, handler: Handler, *, queue: str = Q, concurrency: int = 1
-) -> AsyncIterator[None]:
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(worker.consume, queue, handler, concurrency=concurrency))
-        yield
-        tg.cancel_scope.cancel()
 
 
 async def ok(process: Process) -> str:

@@ -275,7 +275,7 @@ class Consumer:
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if process.id in self._ending:  # cancelled by us, even if the handler swallowed it
             _uncancel()
-            outcome, detail, trace = self._ending.pop(process.id), None, ""
+            outcome, detail, trace, error = self._ending.pop(process.id), None, "", None
             if outcome == _HANDED_BACK:  # the loop hands it back, in queue order
                 return
             if outcome == _TIMED_OUT:
@@ -284,10 +284,8 @@ class Consumer:
                     f" of {process.timeout:g} s"
                 )
         last = process.attempt >= process.max_attempts
-        if detail is not None and (
-            outcome in ("fail", _TIMED_OUT) or (outcome, last) == ("retry", True)
-        ):
-            self._failed(process, detail, error if outcome == "fail" else None)
+        if outcome in ("fail", _TIMED_OUT) or (outcome == "retry" and last):
+            self._failed(process, detail or "", error)
         self._running.pop(process.id, None)
         try:  # no shield needed: only `_end` cancels this task, and not after the pop
             await self._host._settle(process, outcome, detail, trace=trace, delay=delay)

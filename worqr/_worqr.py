@@ -480,6 +480,8 @@ class Worqr:
         """`submit` a job per payload, atomically and in one round trip (with
         ``unique``, a few: none is written if one is live already)."""
         check_queue(queue)
+        if isinstance(payloads, str):
+            raise TypeError("payloads must be a sequence of str, not one str (use submit)")
         choices = job_options(
             max_attempts=max_attempts,
             backoff=backoff,
@@ -489,8 +491,6 @@ class Worqr:
             result_ttl=result_ttl,
             unique=unique,
         )
-        if isinstance(payloads, str):
-            raise TypeError("payloads must be a sequence of str, not one str (use submit)")
         return await self._submit(queue, check_tasks(payloads), None, choices)
 
     async def _submit(
