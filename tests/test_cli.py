@@ -55,6 +55,19 @@ def test_read_verbs_have_stable_json(server: EmbeddedServer) -> None:
         "queued": 2,
         "in_process": 0,
         "failed": 0,
+        "delayed": 0,
+        "paused": 0,
+        "per_queue": [
+            {
+                "name": "jobs",
+                "queued": 2,
+                "in_process": 0,
+                "failed": 0,
+                "delayed": 0,
+                "paused": False,
+                "rate_limit": None,
+            }
+        ],
     }
     assert json.loads(worqr_cli("check", "--json", url=url).stdout) == {
         "ok": True,
@@ -201,6 +214,18 @@ VERB_DOCS = [
     ("retry", [["retry", "reports", "--all", "--json"]]),
     ("reclaim", [["reclaim"]]),
     ("check", [["check"], ["check", "--json"]]),
+    ("pause", [["pause", "emails"]]),
+    ("resume", [["resume", "emails"]]),
+    ("rate-limit", [["rate-limit", "emails", "100", "60"], ["rate-limit", "emails", "none"]]),
+    (
+        "schedule",
+        [
+            ["schedule", "nightly-report", "reports", "q3-summary", "--cron", "0 3 * * *"],
+            ["schedule", "digest", "emails", "daily", "--every", "86400", "--no-overlap"],
+        ],
+    ),
+    ("schedules", [["schedules"], ["schedules", "--json"]]),
+    ("unschedule", [["unschedule", "digest"]]),
     ("delete", [["delete", "reports"]]),
     ("run", []),
     ("watch", []),
@@ -213,6 +238,7 @@ def normalize(text: str) -> str:
     text = re.sub(r"/[0-9a-f]{22}/", "/18f2a3c4d5e6f7a8000001/", text)
     text = re.sub(r'("(?:age|heartbeat_age)": )[0-9.]+', r"\g<1>0.1", text)
     text = re.sub(r'("failed_at": )[0-9.]+', r"\g<1>1767225600.0", text)
+    text = re.sub(r'("(?:last|next)_tick": )[0-9.]+', r"\g<1>1767236400.0", text)
     text = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", "2026-01-01 00:00:00", text)
     return re.sub(r"(?<=\s)\d+\.\d(?=\s*$)", "0.1", text, flags=re.MULTILINE)
 

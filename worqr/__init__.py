@@ -22,6 +22,7 @@ from ._errors import ServerStartError as ServerStartError
 from ._errors import WorkerNotStartedError as WorkerNotStartedError
 from ._errors import WorqrError as WorqrError
 from ._events import Subscribed as Subscribed
+from ._flow import RateLimit as RateLimit
 from ._jobs import Backoff as Backoff
 from ._jobs import Job as Job
 from ._jobs import JobInfo as JobInfo
@@ -32,6 +33,7 @@ from ._models import Listener as Listener
 from ._models import Process as Process
 from ._models import QueueStatistics as QueueStatistics
 from ._models import WorkerInfo as WorkerInfo
+from ._schedules import ScheduleInfo as ScheduleInfo
 from ._worqr import Worqr as Worqr
 
 __version__ = "0.4.0"
@@ -62,8 +64,10 @@ __all__ = [
     "Process",
     "ProtocolVersionError",
     "QueueStatistics",
+    "RateLimit",
     "ReplicationError",
     "Retry",
+    "ScheduleInfo",
     "ServerStartError",
     "Subscribed",
     "WorkerInfo",

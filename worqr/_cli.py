@@ -9,6 +9,7 @@ stderr; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -185,15 +186,45 @@ def _when(unix: float) -> str:
 async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     stats = await worqr.queue_statistics()
     workers = await worqr.get_workers()
-    data = {
+    data: dict[str, Any] = {
         "queues": len(stats),
         "workers": len(workers),
         "queued": sum(s.queued for s in stats),
         "in_process": sum(s.in_process for s in stats),
         "failed": sum(s.failed for s in stats),
+        "delayed": sum(s.delayed for s in stats),
+        "paused": sum(s.paused for s in stats),
     }
     rows = [[name.replace("_", " "), value] for name, value in data.items()]
-    emit(out, args, data, table(rows, ["FLEET", "COUNT"]))
+    text = table(rows, ["FLEET", "COUNT"])
+    data["per_queue"] = [
+        {
+            "name": s.queue,
+            "queued": s.queued,
+            "in_process": s.in_process,
+            "failed": s.failed,
+            "delayed": s.delayed,
+            "paused": s.paused,
+            "rate_limit": None if s.rate_limit is None else list(s.rate_limit),
+        }
+        for s in stats
+    ]
+    per_queue = [
+        [
+            s.queue,
+            s.queued,
+            s.in_process,
+            s.failed,
+            s.delayed,
+            "yes" if s.paused else "no",
+            "-" if s.rate_limit is None else f"{s.rate_limit.limit}/{s.rate_limit.per:g}s",
+        ]
+        for s in stats
+    ]
+    if per_queue:
+        header = ["QUEUE", "QUEUED", "IN PROCESS", "FAILED", "DELAYED", "PAUSED", "LIMIT"]
+        text += "\n\n" + table(per_queue, header)
+    emit(out, args, data, text)
     return OK
 
 
@@ -374,6 +405,85 @@ async def cmd_delayed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> in
     return OK
 
 
+async def cmd_schedules(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    found = await worqr.get_schedules()
+    data = [dataclasses.asdict(info) for info in found]
+    rows = [
+        [
+            s.name,
+            s.queue,
+            s.cron or f"every {s.every:g}s",
+            s.misfire,
+            "yes" if s.overlap else "no",
+            None if s.last_tick is None else _when(s.last_tick),
+            None if s.next_tick is None else _when(s.next_tick),
+        ]
+        for s in found
+    ]
+    header = ["NAME", "QUEUE", "WHEN", "MISFIRE", "OVERLAP", "LAST TICK (UTC)", "NEXT TICK (UTC)"]
+    emit(out, args, data, table(rows, header))
+    return OK
+
+
+async def cmd_schedule(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    if (args.cron is None) == (args.every is None):
+        raise CommandError("give --cron EXPR or --every S")
+    await worqr.schedule(
+        args.name,
+        args.queue,
+        args.payload,
+        cron=args.cron,
+        every=args.every,
+        timezone=args.timezone,
+        misfire=args.misfire,
+        overlap=not args.no_overlap,
+        max_attempts=args.max_attempts,
+        timeout=args.timeout,
+    )
+    when = f"cron {args.cron!r}" if args.cron else f"every {args.every:g} s"
+    emit(out, args, {"scheduled": args.name}, f"scheduled {args.name!r} on {args.queue!r}, {when}")
+    return OK
+
+
+async def cmd_unschedule(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    if not await worqr.unschedule(args.name):
+        raise CommandError(f"unknown schedule {args.name!r}")
+    emit(out, args, {"unscheduled": args.name}, f"unscheduled {args.name!r}")
+    return OK
+
+
+async def cmd_pause(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    await worqr.pause_queue(args.queue)
+    emit(out, args, {"paused": args.queue}, f"paused {args.queue!r}: it hands out nothing")
+    return OK
+
+
+async def cmd_resume(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    await worqr.resume_queue(args.queue)
+    emit(out, args, {"resumed": args.queue}, f"resumed {args.queue!r}")
+    return OK
+
+
+async def cmd_rate_limit(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    if args.limit == "none":
+        if args.per is not None:
+            raise CommandError("give LIMIT PER, or none alone to remove the limit")
+        await worqr.set_rate_limit(args.queue, None)
+        emit(out, args, {"rate_limit": None}, f"removed the rate limit of {args.queue!r}")
+        return OK
+    if args.per is None:
+        raise CommandError("give LIMIT PER (seconds), or none to remove the limit")
+    limit, per = count(args.limit), seconds(args.per)
+    await worqr.set_rate_limit(args.queue, limit, per)
+    emit(
+        out,
+        args,
+        {"rate_limit": [limit, per]},
+        f"{args.queue!r} starts at most {limit} task(s) in any {per:g} s",
+    )
+    return OK
+
+
 async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     from ._run import serve
 
@@ -507,6 +617,34 @@ def parser() -> argparse.ArgumentParser:
     cancel.add_argument("queue")
     cancel.add_argument("task")
     verb("delete", cmd_delete, "delete a queue and all its tasks").add_argument("queue")
+    verb("schedules", cmd_schedules, "list schedules: when, last and next tick")
+    schedule = verb("schedule", cmd_schedule, "store (or replace) a schedule of a queue's jobs")
+    schedule.add_argument("name")
+    schedule.add_argument("queue")
+    schedule.add_argument("payload")
+    schedule.add_argument("--cron", metavar="EXPR", help="a 5-field cron expression")
+    schedule.add_argument("--every", type=seconds, metavar="S", help="a tick every S seconds")
+    schedule.add_argument(
+        "--timezone", default="UTC", metavar="TZ", help="the cron's IANA zone (default: UTC)"
+    )
+    schedule.add_argument(
+        "--misfire",
+        choices=["latest", "all", "skip"],
+        default="latest",
+        help="ticks missed while no worker lived: the latest, all (100 at most) or none",
+    )
+    schedule.add_argument(
+        "--no-overlap", action="store_true", help="skip a tick while the last run still lives"
+    )
+    schedule.add_argument("--max-attempts", type=count, default=1, metavar="N")
+    schedule.add_argument("--timeout", type=seconds, metavar="S", help="seconds a run may take")
+    verb("unschedule", cmd_unschedule, "remove a schedule (exit 1 if unknown)").add_argument("name")
+    verb("pause", cmd_pause, "pause a queue: it accepts work, hands out none").add_argument("queue")
+    verb("resume", cmd_resume, "resume a paused queue").add_argument("queue")
+    limit = verb("rate-limit", cmd_rate_limit, "cap the starts of a queue, fleet-wide")
+    limit.add_argument("queue")
+    limit.add_argument("limit", metavar="LIMIT", help="starts per window, or none to remove")
+    limit.add_argument("per", nargs="?", metavar="PER", help="the window, in seconds")
     retry = verb("retry", cmd_retry, "put the oldest failed task (or --all) back")
     retry.add_argument("queue")
     retry.add_argument("--all", action="store_true", help="retry every failed task")

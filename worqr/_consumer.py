@@ -15,6 +15,7 @@ import anyio
 
 from ._errors import BackendError, CorruptDataError
 from ._events import work_count
+from ._flow import Throttled
 from ._jobs import Retry
 from ._log import PeerLog
 from ._models import Process
@@ -23,6 +24,7 @@ Handler = Callable[[Process], Awaitable[str | None]]
 
 _MAX_BACKOFF = 2.0
 _TAKE_LIMIT = 10.0
+_THROTTLE_NAP = 30.0
 _HAND_BACK_LIMIT = 10.0
 _HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
 _TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
@@ -69,6 +71,7 @@ class Consumer:
         self._tasks: set[asyncio.Task[None]] = set()  # handler tasks not yet done
         self._ending: dict[str, str] = {}
         self._wake = anyio.Event()
+        self._look = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
         self._taking = True
@@ -85,6 +88,8 @@ class Consumer:
         if kind == "work":  # "work:N" announces N tasks; a bare "work:" asks for a look
             self._announced += work_count(message)
             self._backlog = True
+            if not message:  # also after a throttle: the flow control may have changed
+                self._look.set()
             self._wake.set()
         elif kind == "cancel":
             if self._dequeuing:  # the dequeue in flight may return it
@@ -167,6 +172,9 @@ class Consumer:
                 if free > 0 and await self._take_and_start(free):
                     continue  # every free slot was filled: more may wait
                 backoff = 0.05
+            except Throttled as exc:  # the rate limit: sleep until the window frees a start
+                await self._sleep(exc.wait)
+                continue
             except CorruptDataError as exc:  # logged once a minute: it lasts until repaired
                 self._host._report_corrupt([exc.key or f"a key of queue {self.queue!r}"])
                 await anyio.sleep(_MAX_BACKOFF)
@@ -187,6 +195,17 @@ class Consumer:
                 await self._host._settle(process, "requeue", None)
         if not self._running:
             self._idle.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep while throttled, waking early only to stop or for a bare ``work:``
+        event (sent when the flow control changes): work announced or a handler
+        ending cannot make a rate-limited start come sooner. At most `_THROTTLE_NAP`
+        seconds, in case that event was missed."""
+        self._look = anyio.Event()
+        with anyio.move_on_after(min(seconds, _THROTTLE_NAP)):
+            while self._taking and not self._look.is_set():
+                self._wake = anyio.Event()
+                await self._wake.wait()
 
     async def _handlers_ended(self) -> None:
         """Wait until every handler task is over, its settle included (a handler

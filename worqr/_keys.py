@@ -41,6 +41,11 @@ class Keys:
         return f"{self.prefix}:protocol"
 
     @property
+    def schedules(self) -> str:
+        """HASH of schedule name -> its queue (the queue's slot holds the schedule)."""
+        return f"{self.prefix}:schedules"
+
+    @property
     def supervision_lease(self) -> str:
         """STRING (PX 0.85 x cleanup_interval): the worker running the fleet-wide scan now."""
         return f"{self.prefix}:supervisor"
@@ -106,6 +111,28 @@ class Keys:
         server time) after which any peer may take the process away."""
         return f"{self.prefix}:q:{{{queue}}}:deadlines"
 
+    def flow(self, queue: str) -> str:
+        """HASH of the queue's flow control: ``paused`` (1 while paused), ``limit`` and
+        ``per`` (ms) of its rate limit; absent when the queue has neither."""
+        return f"{self.prefix}:q:{{{queue}}}:flow"
+
+    def starts(self, queue: str) -> str:
+        """ZSET of the process ids started in the current window of a rate-limited
+        queue, scored by their start (Unix ms, server time)."""
+        return f"{self.prefix}:q:{{{queue}}}:starts"
+
+    def queue_schedules(self, queue: str) -> str:
+        """SET of the names of the schedules that submit to this queue."""
+        return f"{self.prefix}:q:{{{queue}}}:schedules"
+
+    def schedule(self, queue: str, name: str) -> str:
+        """HASH of one schedule: ``def`` (its definition, JSON), ``since`` (when that
+        definition was stored, Unix ms), ``last`` (its latest tick handled, Unix ms),
+        ``job`` (the job of its latest submitted tick), ``skipped`` (ticks skipped for
+        overlap). Never expires: the record of the last tick is what makes each tick
+        submitted once."""
+        return f"{self.prefix}:q:{{{queue}}}:s:{name}"
+
     def events(self, queue: str) -> str:
         """Pub/sub channel of the queue's control events (``work``, ``cancel``,
         ``delete``), messages ``type:message``; every worker of the queue listens."""
@@ -127,12 +154,15 @@ class Keys:
             self.deletions,
             self.protocol,
             self.supervision_lease,
+            self.schedules,
         )
 
     def type_of(self, key: str) -> str | None:
         """The Redis type the layout gives ``key``; None for a key not of the layout."""
         if key in (self.queues, self.workers):
             return "set"
+        if key == self.schedules:
+            return "hash"
         if key == self.deletions:
             return "zset"
         if key in (self.protocol, self.supervision_lease):
@@ -150,8 +180,9 @@ class Keys:
 
         kind is the key's last word (``tasks``, ``failed``, ``unique``, ``deaths``,
         ``holders``, ``held``, ``p``, ``j``, ``jobs``, ``delayed``, ``deadlines``,
-        ``alive``, ``queues``); owner is the queue or the worker in the hash tag; rest
-        is the worker of ``held``, the id of ``p`` or the job id of ``j``.
+        ``flow``, ``starts``, ``schedules``, ``s``, ``alive``, ``queues``); owner is the
+        queue or the worker in the hash tag; rest is the worker of ``held``, the id of
+        ``p``, the job id of ``j`` or the schedule name of ``s``.
         """
         for scope, kinds in (("q", _QUEUE_KEYS), ("w", _WORKER_KEYS)):
             head = f"{self.prefix}:{scope}:{{"
@@ -161,7 +192,7 @@ class Keys:
             if not closed:
                 return None
             kind, _, rest = tail.partition(":")
-            if kind in kinds and (bool(rest) == (kind in ("held", "p", "j"))):
+            if kind in kinds and (bool(rest) == (kind in ("held", "p", "j", "s"))):
                 return kind, owner, rest
         return None
 
@@ -178,6 +209,10 @@ TYPES = {
     "jobs": "zset",
     "delayed": "zset",
     "deadlines": "zset",
+    "flow": "hash",
+    "starts": "zset",
+    "schedules": "set",
+    "s": "hash",
     "alive": "string",
     "queues": "set",
 }
@@ -196,6 +231,10 @@ _QUEUE_KEYS = frozenset(
         "jobs",
         "delayed",
         "deadlines",
+        "flow",
+        "starts",
+        "schedules",
+        "s",
     }
 )
 _WORKER_KEYS = frozenset({"alive", "queues"})

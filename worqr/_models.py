@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ._envelope import Envelope
+from ._flow import RateLimit
 from ._names import parse_process_id
 
 Listener = Callable[[str, str], Awaitable[None] | None]
@@ -124,3 +125,7 @@ class QueueStatistics:
     """Dequeue-to-finish seconds of this `Worqr`'s recent processes, median."""
     duration_p90: float | None
     duration_p99: float | None
+    delayed: int = 0
+    """Jobs waiting for their due time (retries waiting out their backoff included)."""
+    paused: bool = False
+    rate_limit: RateLimit | None = None

@@ -38,6 +38,7 @@ from ._errors import (
     is_wrong_type,
     redis_boundary,
 )
+from ._flow import Flow, Paused, Throttled, read_flow
 from ._jobs import Backoff
 from ._keys import Keys
 from ._models import FailedTask, Process, WorkerInfo, readable
@@ -1167,12 +1168,16 @@ async def dequeue(
     *,
     announced: bool = False,
     new_ids: Callable[[int], list[str]] | None = None,
+    seen: Callable[[Flow], None] | None = None,
 ) -> list[Process]:
     """Move up to ``count`` tasks from the head of the queue into new processes of
-    this worker, in queue order; an empty list when the queue is empty.
+    this worker, in queue order; an empty list when the queue is empty. Raises
+    `Paused` (nothing taken) while the queue is paused; a queue with a rate limit
+    goes through `_dequeue_limited`.
 
     ``new_ids(k)`` makes k fresh process ids (a worker keeps them known as in flight;
-    by default they are made here).
+    by default they are made here); ``seen(flow)`` is told the queue's flow control
+    as read (a worker skips the announced path of a rate-limited queue).
     ``once`` is a client whose transactions are never resent (see `_connections`):
     the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each
     id tells whether it took effect: then its processes are adopted. Otherwise it is
@@ -1180,42 +1185,64 @@ async def dequeue(
     on the way (a timeout, a slow link) can still land later, and with the same ids it
     would append a second task to each process list. Processes of an attempt that lands
     late are unknown to the worker, and its audit returns them to the front.
-    Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET).
-      1. LLEN tasks                       -> 0: return (an idle poll costs one command)
+    Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET), flow (HASH).
+      1. LLEN tasks;  HMGET flow paused limit per
+                                          -> paused: raise; limited: `_dequeue_limited`;
+                                             0: return (an idle poll: one round trip)
                                              (skipped when ``announced``: a ``work``
                                              event just said ``count`` tasks came)
       2. MULTI                            (k = min(count, length))
       3. LMOVE tasks p:<idi> LEFT RIGHT   for i = 1..k -> the task, or nil once empty
       4. SADD held:<w> <id1> ... <idk>
       5. SADD holders <w>
-      6. EXEC
-      7. (some LMOVE found the queue empty) SREM held:<w> <unused ids>
+      6. HMGET flow paused limit per      -> paused or limited since step 1: what was
+                                             taken goes back to the front (`_undo`)
+      7. EXEC
+      8. (some LMOVE found the queue empty) SREM held:<w> <unused ids>
     The SADD cannot be conditional on the LMOVEs inside MULTI, so ids that got no task
-    are withdrawn in step 7; an id left behind by a crash there names no process list
+    are withdrawn in step 8; an id left behind by a crash there names no process list
     and goes with the next reclaim.
     """
-    length = count if announced else await read(r, "LLEN", keys.tasks(queue))
-    if not length:
-        return []
-    held = keys.held(queue, worker_id)
-    k = min(count, length)
     if new_ids is None:
 
         def new_ids(count: int) -> list[str]:
             return [new_process_id(worker_id, queue).id for _ in range(count)]
 
+    if announced:
+        length = count
+    else:
+        length, flow_reply = await reads(r, [("LLEN", keys.tasks(queue)), read_flow(keys, queue)])
+        _raise_wrong([("LLEN", keys.tasks(queue))], [length])
+        flow = Flow.parse(flow_reply, keys.flow(queue))
+        if seen is not None:
+            seen(flow)
+        if flow.paused:
+            raise Paused
+        if flow.limit is not None:
+            return await _dequeue_limited(r, once, keys, worker_id, queue, count, new_ids)
+    if not length:
+        return []
+    held = keys.held(queue, worker_id)
+    k = min(count, length)
+
     def take(ids: list[str]) -> list[Command]:
         moves: list[Command] = [
             ("LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT") for pid in ids
         ]
-        return [*moves, ("SADD", held, *ids), ("SADD", keys.holders(queue), worker_id)]
+        return [
+            *moves,
+            ("SADD", held, *ids),
+            ("SADD", keys.holders(queue), worker_id),
+            read_flow(keys, queue),
+        ]
 
     recorded: Any = 1
+    flow_reply = None
     for _ in range(_MAX_ATTEMPTS):
         ids = new_ids(k)
         try:
             replies = await on_slot(once, keys.tasks(queue), _transaction(take(ids)))
-            tasks, recorded = replies[:k], replies[k]
+            tasks, recorded, flow_reply = replies[:k], replies[k], replies[k + 2]
             break
         except MaxConnectionsError:
             raise  # no connection, nothing sent
@@ -1229,21 +1256,148 @@ async def dequeue(
     # A wrong-typed tasks key fails every LMOVE (nothing taken); a wrong-typed held
     # set fails the record (the tasks go straight back). holders is the check's.
     found = [task if isinstance(task, str | bytes) else None for task in tasks]
-    if is_wrong_type(recorded) and any(task is not None for task in found):
-        for pid in reversed([pid for pid, task in zip(ids, found, strict=True) if task]):
-            await _atomic(once, keys.tasks(queue), _back_to_front(keys, queue, pid))
+    taken_ids = [pid for pid, task in zip(ids, found, strict=True) if task]
+    if is_wrong_type(recorded) and taken_ids:
+        await _undo(once, keys, queue, taken_ids)
         raise _corrupt(held)
-    taken = [
-        as_process(pid, text(task), queue)
-        for pid, task in zip(ids, found, strict=True)
-        if task is not None
-    ]
-    if len(taken) < len(ids):
+    if len(taken_ids) < len(ids):
         unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
         await reads(r, [("SREM", held, *unused)])
     if any(is_wrong_type(task) for task in tasks):
         raise _corrupt(keys.tasks(queue))
-    return taken
+    if flow_reply is None and taken_ids:  # the reply was lost: read the flow now
+        (flow_reply,) = await reads(r, [read_flow(keys, queue)])
+    if taken_ids:
+        flow = Flow.parse(flow_reply, keys.flow(queue)) if flow_reply is not None else Flow()
+        if flow.paused or flow.limit is not None:  # changed since step 1 (or unread)
+            if seen is not None:
+                seen(flow)
+            await _undo(once, keys, queue, taken_ids, held)
+            if flow.paused:
+                raise Paused
+            return await _dequeue_limited(r, once, keys, worker_id, queue, count, new_ids)
+    return [
+        as_process(pid, text(task), queue)
+        for pid, task in zip(ids, found, strict=True)
+        if task is not None
+    ]
+
+
+async def _undo(
+    once: Client, keys: Keys, queue: str, pids: Sequence[str], held: str | None = None
+) -> None:
+    """Return the tasks of processes just taken to the front of the queue, newest
+    first (so the queue's order is as before), withdrawing their ids from ``held``
+    (without it, they go with the next reclaim, which finds no process list). No
+    ``work`` event: the queue is paused or rate-limited, and an announcement would
+    only bring its workers back to take and return them again."""
+    for pid in reversed(pids):
+        back: Command = ("LMOVE", keys.process(queue, pid), keys.tasks(queue), "RIGHT", "LEFT")
+        withdraw: list[Command] = [] if held is None else [("SREM", held, pid)]
+        await _atomic(once, keys.tasks(queue), [back, *withdraw])
+
+
+async def _dequeue_limited(
+    r: Client,
+    once: Client,
+    keys: Keys,
+    worker_id: str,
+    queue: str,
+    count: int,
+    new_ids: Callable[[int], list[str]],
+) -> list[Process]:
+    """`dequeue` from a rate-limited queue: no ``per`` ms window of the server's clock
+    holds more than ``limit`` starts, fleet-wide. Raises `Throttled` (with the wait
+    until the window frees a start) when none is left, `Paused` when paused.
+
+    WATCH serialises the dequeues of the queue: each one counts the window and records
+    its starts in one transaction, so two cannot both take the last start.
+    Keys: starts (ZSET), flow (HASH), tasks, p:<id>..., held:<w>, holders.
+      1. WATCH starts flow
+      2. TIME                                                          -> now
+      3. ZCOUNT starts (<now - per> +inf;  ZRANGE starts (<now - per> +inf BYSCORE
+         LIMIT 0 1 WITHSCORES;  LLEN tasks;  HMGET flow paused limit per
+                           -> paused: raise;  no limit: back to `dequeue`;
+                              none left: UNWATCH, raise `Throttled` (the oldest start
+                              leaves the window at its score + per);  empty: return
+      4. MULTI             (k = min(count, starts left, length))
+      5. ZREMRANGEBYSCORE starts -inf <now - per>
+      6. LMOVE tasks p:<idi> LEFT RIGHT;  ZADD starts <now> <idi>       for i = 1..k
+      7. SADD held:<w> <ids>;  SADD holders <w>
+      8. EXEC                                                          -> nil: back to 1
+      9. (some LMOVE found the queue empty) SREM held:<w> <unused>;  ZREM starts <unused>
+    A lost EXEC reply raises `BackendUnavailableError`: its processes, if it landed,
+    are returned by the worker's audit; its starts count until they leave the window.
+    """
+    starts, held = keys.starts(queue), keys.held(queue, worker_id)
+    plain = False
+
+    async def body(pipe: Pipeline) -> list[str]:
+        nonlocal plain
+        seconds, micros = await call(pipe, "TIME")
+        now = int(text(seconds)) * 1000 + int(text(micros)) // 1000
+        flow_key = keys.flow(queue)
+        raw_flow = await _beside(pipe, [read_flow(keys, queue)])
+        flow = Flow.parse(raw_flow[0], flow_key)
+        if flow.paused or flow.limit is None or flow.per_ms is None:
+            await pipe.reset()
+            plain = not flow.paused
+            if flow.paused:
+                raise Paused
+            return []
+        floor = now - flow.per_ms
+        used, oldest, length = await _beside(
+            pipe,
+            [
+                ("ZCOUNT", starts, f"({floor}", "+inf"),
+                ("ZRANGE", starts, f"({floor}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
+                ("LLEN", keys.tasks(queue)),
+            ],
+        )
+        _raise_wrong(
+            [("ZCOUNT", starts), ("ZRANGE", starts), ("LLEN", keys.tasks(queue))],
+            [used, oldest, length],
+        )
+        room = flow.limit - int(used)
+        if room <= 0:
+            await pipe.reset()
+            first = _pairs(oldest)
+            leaves = (_ms(first[0][1]) or now) + flow.per_ms if first else now + 1
+            raise Throttled(max(leaves - now, 1) / 1000)
+        k = min(count, room, int(length))
+        if k <= 0:
+            await pipe.reset()
+            return []
+        ids = new_ids(k)
+        pipe.multi()
+        pipe.execute_command("ZREMRANGEBYSCORE", starts, "-inf", floor)
+        for pid in ids:
+            pipe.execute_command(
+                "LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT"
+            )
+        pipe.execute_command("ZADD", starts, *(part for pid in ids for part in (now, pid)))
+        pipe.execute_command("SADD", held, *ids)
+        pipe.execute_command("SADD", keys.holders(queue), worker_id)
+        return ids
+
+    ids, replies = await _optimistic(r, [starts, keys.flow(queue)], body)
+    if plain:
+        return await dequeue(r, once, keys, worker_id, queue, count, new_ids=new_ids)
+    if not ids:
+        return []
+    tasks = replies[1 : 1 + len(ids)]
+    found = [task if isinstance(task, str | bytes) else None for task in tasks]
+    unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
+    if unused:
+        await reads(r, [("SREM", held, *unused), ("ZREM", starts, *unused)])
+    if is_wrong_type(replies[-2]):  # the held set: what was taken goes straight back
+        await _undo(once, keys, queue, [pid for pid, task in zip(ids, found, strict=True) if task])
+        raise _corrupt(held)
+    return [
+        as_process(pid, text(task), queue)
+        for pid, task in zip(ids, found, strict=True)
+        if task is not None
+    ]
 
 
 def as_process(pid: str, task: str, queue: str) -> Process:
@@ -2806,15 +2960,15 @@ def _age(beat: Any, now: float) -> float | None:
 
 
 @redis_boundary
-async def queue_table(
-    r: Client, keys: Keys, queues: Sequence[str] | None = None
-) -> list[tuple[str, int, int, int, int]]:
-    """Per queue (default: every registered one, sorted): its name, queued, in-process
-    and failed tasks, and the workers working on it; three round trips however many
-    queues there are. A key of the wrong type counts 0.
+async def queue_table(r: Client, keys: Keys, queues: Sequence[str] | None = None) -> list[QueueRow]:
+    """Per queue (default: every registered one, sorted): its queued, in-process,
+    failed and delayed tasks, the workers working on it and its flow control; three
+    round trips however many queues there are. A key of the wrong type counts 0 (a
+    flow hash of the wrong type: neither paused nor limited).
 
     1. SMEMBERS queues (without ``queues``);  SMEMBERS workers
-    2. LLEN tasks;  LLEN failed;  SMEMBERS holders  (per queue)
+    2. LLEN tasks;  LLEN failed;  SMEMBERS holders;  ZCARD delayed
+       HMGET flow paused limit per                  (per queue)
        SMEMBERS w:queues                            (per worker)
     3. SCARD held:<w>                               (per queue and holder)
     """
@@ -2830,22 +2984,52 @@ async def queue_table(
             ("LLEN", keys.tasks(queue)),
             ("LLEN", keys.failed(queue)),
             ("SMEMBERS", keys.holders(queue)),
+            ("ZCARD", keys.delayed(queue)),
+            read_flow(keys, queue),
         ]
     second += [("SMEMBERS", keys.worker_queues(w)) for w in worker_ids]
     counts = await reads(r, second)
-    per_queue = counts[: 3 * len(names)]
+    per_queue = counts[: 5 * len(names)]
     worked: dict[str, int] = {}
-    for reply in counts[3 * len(names) :]:
+    for reply in counts[5 * len(names) :]:
         for queue in members(reply):
             worked[queue] = worked.get(queue, 0) + 1
     pairs = [
-        (q, w) for q, holders in zip(names, per_queue[2::3], strict=True) for w in members(holders)
+        (q, w) for q, holders in zip(names, per_queue[2::5], strict=True) for w in members(holders)
     ]
     sizes = await reads(r, [("SCARD", keys.held(q, w)) for q, w in pairs])
     in_process: dict[str, int] = {}
     for (queue, _), size in zip(pairs, sizes, strict=True):
         in_process[queue] = in_process.get(queue, 0) + _count(size)
-    return [
-        (queue, _count(queued), in_process.get(queue, 0), _count(failed), worked.get(queue, 0))
-        for queue, queued, failed in zip(names, per_queue[::3], per_queue[1::3], strict=True)
-    ]
+    rows = []
+    for i, queue in enumerate(names):
+        queued, failed, _, delayed, flow_reply = per_queue[5 * i : 5 * i + 5]
+        try:
+            flow = Flow.parse(flow_reply, keys.flow(queue))
+        except CorruptDataError:
+            flow = Flow()
+        rows.append(
+            QueueRow(
+                queue,
+                _count(queued),
+                in_process.get(queue, 0),
+                _count(failed),
+                worked.get(queue, 0),
+                _count(delayed),
+                flow,
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRow:
+    """One queue as `queue_table` reads it."""
+
+    queue: str
+    queued: int
+    in_process: int
+    failed: int
+    workers: int
+    delayed: int
+    flow: Flow

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from typing_extensions import Self
 
-from . import _ops
+from . import _ops, _ops_flow, _ops_schedules
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
 from ._clock import ServerClock
@@ -41,6 +41,7 @@ from ._errors import (
     redis_boundary,
 )
 from ._events import Events, Subscribed
+from ._flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
 from ._jobs import Backoff, Job, JobInfo, JobStatus
 from ._jobs import Options as JobOptions
 from ._jobs import options as job_options
@@ -62,6 +63,8 @@ from ._names import (
 )
 from ._ops import members, read, text
 from ._results import Results, job_info
+from ._scheduler import Scheduler
+from ._schedules import ScheduleInfo, check_name, definition, stored_options
 from ._stats import LocalStats
 from ._supervisor import Supervisor
 from ._urls import Closable, connect
@@ -173,6 +176,7 @@ class Worqr:
         self._held: dict[str, Process] = {}  # dequeued here; known until Redis ended them
         self._ending: set[str] = set()  # held ids whose end (finish, fail, stop) is in flight
         self._taking: set[str] = set()  # ids of dequeues in flight (outcome not yet known)
+        self._controlled: set[str] = set()  # queues last seen paused or rate-limited
         self._starting = anyio.Lock()
         self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         self._consumers: set[Consumer] = set()
@@ -184,9 +188,10 @@ class Worqr:
         self._reported: dict[str, float] = {}  # corrupt key -> when it was last logged
         self._clock = ServerClock()
         self._promoter = Promoter(self._redis, self._keys, self._clock, self._log)
+        self._scheduler = Scheduler(self._redis, self._keys, self._clock, self._log)
         self._results = Results(self._events)
         self._jobs_on = False  # the prefix is known to be at protocol 3
-        self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its hook
+        self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its timers' hook
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
@@ -259,6 +264,7 @@ class Worqr:
                 self._task_group = tg
                 tg.start_soon(self._events.run)
                 tg.start_soon(self._promoter.run)
+                tg.start_soon(self._scheduler.run)
                 self._ready.set()
                 await anyio.sleep_forever()
 
@@ -509,7 +515,8 @@ class Worqr:
         return [Job(self, queue, envelope.header.id) for envelope in envelopes]
 
     async def _enable_jobs(self) -> None:
-        """Move the prefix to protocol 3 before its first job (once per `Worqr`)."""
+        """Move the prefix to protocol 3 before its first job, schedule, pause or rate
+        limit (once per `Worqr`)."""
         if not self._jobs_on:
             self._require_protocol(await _ops.require_jobs(self._redis, self._keys))
             self._jobs_on = True
@@ -552,6 +559,116 @@ class Worqr:
             raise JobFailedError(job_id, info.error or "", info.attempts)
         return info.result
 
+    # -- schedules -------------------------------------------------------------------
+
+    async def schedule(
+        self,
+        name: str,
+        queue: str,
+        payload: str,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        timezone: str = "UTC",
+        misfire: str = "latest",
+        overlap: bool = True,
+        max_attempts: int = 1,
+        backoff: Backoff | float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (each run's timeout)
+        result_ttl: float = _DAY,
+    ) -> None:
+        """Store (or replace) the schedule ``name``: a job of ``payload`` submitted to
+        ``queue`` at each tick of ``cron`` (a 5-field cron expression, or 6 with
+        seconds last, in ``timezone``) or of ``every`` seconds (ticks on the multiples
+        of the period since the Unix epoch), with the submit options given.
+
+        Each tick is submitted exactly once, fleet-wide, by whichever worker of the
+        queue wakes first, as the job ``<name>@<tick time>`` (UTC ISO 8601, see
+        `ScheduleInfo`). ``misfire`` says what happens to ticks that passed while no
+        worker was alive: ``latest`` submits the most recent, ``all`` each (at most
+        100), ``skip`` none. With ``overlap=False`` a tick whose previous run is still
+        queued, delayed or running is skipped (and counted). Storing the same
+        definition again changes nothing; a new one counts ticks from now on.
+        """
+        check_name(name)
+        check_queue(queue)
+        check_plain_task(check_task(payload))
+        choices = job_options(
+            max_attempts=max_attempts,
+            backoff=backoff,
+            timeout=timeout,
+            delay=None,
+            at=None,
+            result_ttl=result_ttl,
+            unique=False,
+        )
+        made = definition(
+            payload,
+            cron=cron,
+            every=every,
+            timezone=timezone,
+            misfire=misfire,
+            overlap=overlap,
+            options=stored_options(choices),
+        )
+        await self._enable_jobs()
+        before = await _ops_schedules.queue_of(self._redis, self._keys, name)
+        await _ops_schedules.store(self._redis, self._keys, queue, name, made)
+        if before is not None and before != queue:  # moved: the old queue's copy goes
+            await _ops_schedules.drop(self._redis, self._keys, before, name)
+
+    async def unschedule(self, name: str) -> bool:
+        """Remove the schedule ``name`` (jobs it submitted stay); whether it existed."""
+        check_name(name)
+        queue = await _ops_schedules.queue_of(self._redis, self._keys, name)
+        if queue is None:
+            return False
+        dropped = await _ops_schedules.drop(self._redis, self._keys, queue, name)
+        await _ops_schedules.unregister(self._redis, self._keys, name, queue)
+        return dropped
+
+    async def get_schedules(self) -> list[ScheduleInfo]:
+        """Every schedule, sorted by name (in two round trips), with its latest tick
+        and the next one (by the server's clock)."""
+        names = await _ops_schedules.registry(self._redis, self._keys)
+        where = sorted(names.items())
+        found = await _ops_schedules.read_schedules(self._redis, self._keys, where)
+        now = await self._clock.now_ms(self._redis)
+        return [s.definition.info(s.name, s.queue, s.state, now) for s in found if s.definition]
+
+    # -- flow control ------------------------------------------------------------------
+
+    async def pause_queue(self, queue: str) -> None:
+        """Pause a queue: it accepts tasks and jobs, and hands out nothing until
+        `resume_queue`; running tasks go on. Fleet-wide: no dequeue that begins after
+        this returned takes a task."""
+        check_queue(queue)
+        await self._enable_jobs()  # version-2 peers know no pause: they must refuse to start
+        await _ops_flow.pause(self._redis, self._keys, queue)
+
+    async def resume_queue(self, queue: str) -> None:
+        """Resume a paused queue (its workers wake at once)."""
+        await _ops_flow.resume(self._redis, self._keys, check_queue(queue))
+
+    async def is_paused(self, queue: str) -> bool:
+        """Whether the queue is paused."""
+        return (await _ops_flow.get_flow(self._redis, self._keys, check_queue(queue))).paused
+
+    async def set_rate_limit(self, queue: str, limit: int | None, per: float | None = None) -> None:
+        """Let the whole fleet start at most ``limit`` tasks of the queue in any ``per``
+        seconds (by the Redis server's clock); ``set_rate_limit(queue, None)`` removes
+        the limit. Workers that reach it sleep until the window frees a start."""
+        check_queue(queue)
+        checked = check_rate_limit(limit, per)
+        limit_, per_ms = (None, 0) if checked is None else checked
+        await self._enable_jobs()  # version-2 peers know no limit: they must refuse to start
+        await _ops_flow.set_rate_limit(self._redis, self._keys, queue, limit_, per_ms)
+
+    async def get_rate_limit(self, queue: str) -> RateLimit | None:
+        """The queue's rate limit (``limit``, ``per`` seconds), None if it has none."""
+        flow = await _ops_flow.get_flow(self._redis, self._keys, check_queue(queue))
+        return flow.rate_limit
+
     # -- processes -----------------------------------------------------------------------
 
     async def dequeue(self, queue: str) -> Process | None:
@@ -564,12 +681,16 @@ class Worqr:
         self._require_worker()
         if queue not in self._working:
             raise NotWorkingError(f"this worker has not started work on {queue!r}")
-        taken = await self._take(queue)
+        try:
+            taken = await self._take(queue)
+        except Throttled:
+            return None
         return taken[0] if taken else None
 
     async def _take(self, queue: str, count: int = 1, *, announced: bool = False) -> list[Process]:
         """Dequeue up to ``count`` tasks (see `_ops.dequeue`), fenced against a lease
-        loss that happens while the command runs.
+        loss that happens while the command runs. Nothing while the queue is paused;
+        `Throttled` when its rate limit is reached.
 
         Every id a dequeue attempt uses is known as in flight until the call is over,
         so the audit never takes its process for a stray; after the call, the ids of an
@@ -586,6 +707,12 @@ class Worqr:
             self._taking.update(ids)
             return ids
 
+        def seen(flow: Flow) -> None:  # a controlled queue's dequeue reads its flow first
+            if flow.limit is None and not flow.paused:
+                self._controlled.discard(queue)
+            else:
+                self._controlled.add(queue)
+
         try:
             taken = await _ops.dequeue(
                 self._redis,
@@ -594,8 +721,9 @@ class Worqr:
                 self._worker_id,
                 queue,
                 count,
-                announced=announced,
+                announced=announced and queue not in self._controlled,
                 new_ids=new_ids,
+                seen=seen,
             )
             if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
                 for process in reversed(taken):
@@ -604,6 +732,8 @@ class Worqr:
                 return []
             for process in taken:
                 self._held[process.id] = process
+        except Paused:
+            return []
         finally:
             self._taking.difference_update(reserved)
         usable = []
@@ -720,25 +850,27 @@ class Worqr:
         trips however many queues there are."""
         return [self._statistics(row) for row in await _ops.queue_table(self._redis, self._keys)]
 
-    def _statistics(self, row: tuple[str, int, int, int, int]) -> QueueStatistics:
-        queue, queued, in_process, failed, workers = row
-        record = self._stats.get(queue)
+    def _statistics(self, row: _ops.QueueRow) -> QueueStatistics:
+        record = self._stats.get(row.queue)
         times = sorted(record.durations)
 
         def pick(fraction: float) -> float | None:
             return times[min(len(times) - 1, int(len(times) * fraction))] if times else None
 
         return QueueStatistics(
-            queue,
-            queued,
-            in_process,
-            failed,
-            workers,
+            row.queue,
+            row.queued,
+            row.in_process,
+            row.failed,
+            row.workers,
             record.completed,
             record.failed,
             pick(0.5),
             pick(0.9),
             pick(0.99),
+            delayed=row.delayed,
+            paused=row.flow.paused,
+            rate_limit=row.flow.rate_limit,
         )
 
     async def get_processes(self, queue: str | None = None) -> list[Process]:
@@ -821,13 +953,14 @@ class Worqr:
         self._working.setdefault(queue, None)
         self._events.pin(queue)
         if queue not in self._promoting:
-            self._promoting[queue] = functools.partial(self._promoter.hook, queue)
+            self._promoting[queue] = functools.partial(self._timers_hook, queue)
             self._events.add_hook(queue, self._promoting[queue])
         await self._events.settled(queue)
         waiting, deleted = await _ops.start_work(self._redis, self._keys, self._worker_id, queue)
         if queue in self._working:
             self._working[queue] = deleted
             self._promoter.watch(queue, None)  # due times announced from now on count
+            self._scheduler.watch(queue)
             (due,) = await _ops.next_due(self._redis, self._keys, [queue])
             self._promoter.note(queue, due)
         if waiting:
@@ -885,8 +1018,14 @@ class Worqr:
         self._working.clear()
         self._held.clear()
 
+    def _timers_hook(self, queue: str, kind: str, message: str) -> None:
+        """The queue's events for its delayed jobs' and its schedules' timers."""
+        self._promoter.hook(queue, kind, message)
+        self._scheduler.hook(queue, kind, message)
+
     def _stop_promoting(self, queue: str) -> None:
         self._promoter.forget(queue)
+        self._scheduler.forget(queue)
         hook = self._promoting.pop(queue, None)
         if hook is not None:
             self._events.remove_hook(queue, hook)

@@ -1,0 +1,285 @@
+"""The atomic operations of schedules (see `_schedules`): store, drop, read, fire.
+
+A schedule lives in its queue's hash slot (``s:<name>``, listed in the queue's
+``schedules`` set), so that the claim of a tick and the submission of its job are
+one transaction; the fleet-wide ``schedules`` registry maps names to queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio.client import Pipeline
+
+from ._connections import on_slot
+from ._envelope import Envelope
+from ._errors import CorruptDataError, is_wrong_type, redis_boundary
+from ._keys import Keys
+from ._ops import (
+    Client,
+    Command,
+    _beside,
+    _corrupt,
+    _optimistic,
+    _pairs,
+    _raise_wrong,
+    _record_job,
+    _transaction,
+    call,
+    event,
+    live_score,
+    members,
+    reads,
+    text,
+)
+from ._schedules import MAX_MISFIRED, MISFIRE_GRACE_MS, Definition
+
+SCHEDULE_EVENT = "schedule"
+"""The event (``schedule:<name>``) telling a queue's workers that one of its
+schedules was stored or dropped: they read it again."""
+
+
+def _fields(reply: Any) -> dict[str, str]:
+    """An HGETALL reply as a dict of str."""
+    pairs = reply.items() if isinstance(reply, dict) else _pairs(reply)
+    return {text(k): text(v) for k, v in pairs}
+
+
+async def _server_ms(pipe: Pipeline) -> int:
+    seconds, micros = await call(pipe, "TIME")
+    return int(text(seconds)) * 1000 + int(text(micros)) // 1000
+
+
+@redis_boundary
+async def store(r: Client, keys: Keys, queue: str, name: str, definition: Definition) -> bool:
+    """Store a schedule in its queue (replacing its definition, keeping its record of
+    ticks); whether anything changed. A new definition counts ticks from now on.
+
+      1. WATCH s:<name>;  HGET s:<name> def     -> the same: UNWATCH, return False
+      2. TIME                                   -> now
+      3. MULTI;  HSET s:<name> def <json> since <now>;  SADD schedules <name>
+         PUBLISH events schedule:<name>;  EXEC  -> nil: back to 1
+      4. HSET <prefix>:schedules <name> <queue>       (the registry: its own slot)
+    """
+    key, raw = keys.schedule(queue, name), definition.dumps()
+
+    async def body(pipe: Pipeline) -> bool:
+        (found,) = await _beside(pipe, [("HGET", key, "def")])
+        _raise_wrong([("HGET", key)], [found])
+        if found is not None and text(found) == raw:
+            return False
+        now = await _server_ms(pipe)
+        pipe.multi()
+        pipe.execute_command("HSET", key, "def", raw, "since", now)
+        pipe.execute_command("SADD", keys.queue_schedules(queue), name)
+        pipe.execute_command("PUBLISH", keys.events(queue), event(SCHEDULE_EVENT, name))
+        return True
+
+    changed, replies = await _optimistic(r, [key], body)
+    if any(is_wrong_type(reply) for reply in replies):
+        raise _corrupt(keys.queue_schedules(queue))
+    await reads(r, [("HSET", keys.schedules, name, queue)])
+    return changed
+
+
+@redis_boundary
+async def drop(r: Client, keys: Keys, queue: str, name: str) -> bool:
+    """Remove a schedule from its queue; whether it was there.
+
+    1. MULTI;  DEL s:<name>;  SREM schedules <name>;  PUBLISH events schedule:<name>;  EXEC
+    """
+    commands: list[Command] = [
+        ("DEL", keys.schedule(queue, name)),
+        ("SREM", keys.queue_schedules(queue), name),
+        ("PUBLISH", keys.events(queue), event(SCHEDULE_EVENT, name)),
+    ]
+    replies = await on_slot(r, keys.schedule(queue, name), _transaction(commands))
+    return bool(replies[0])
+
+
+@redis_boundary
+async def queue_of(r: Client, keys: Keys, name: str) -> str | None:
+    """The queue a schedule submits to, by the registry; None if none.
+
+    1. HGET <prefix>:schedules <name>
+    """
+    (found,) = await reads(r, [("HGET", keys.schedules, name)])
+    if is_wrong_type(found):
+        raise _corrupt(keys.schedules)
+    return None if found is None else text(found)
+
+
+@redis_boundary
+async def unregister(r: Client, keys: Keys, name: str, queue: str) -> None:
+    """Drop a registry entry if it still names ``queue``.
+
+    1. WATCH <prefix>:schedules;  HGET <prefix>:schedules <name>
+    2. MULTI;  HDEL <prefix>:schedules <name>;  EXEC      (when it names ``queue``)
+    """
+
+    async def body(pipe: Pipeline) -> None:
+        found = await call(pipe, "HGET", keys.schedules, name)
+        if found is not None and text(found) == queue:
+            pipe.multi()
+            pipe.execute_command("HDEL", keys.schedules, name)
+
+    await _optimistic(r, [keys.schedules], body)
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A schedule as read: its definition (None if unreadable) and its state."""
+
+    name: str
+    queue: str
+    definition: Definition | None
+    state: dict[str, str]
+
+
+@redis_boundary
+async def registry(r: Client, keys: Keys) -> dict[str, str]:
+    """Every registered schedule: name -> queue.
+
+    1. HGETALL <prefix>:schedules
+    """
+    (found,) = await reads(r, [("HGETALL", keys.schedules)])
+    if is_wrong_type(found):
+        raise _corrupt(keys.schedules)
+    return _fields(found)
+
+
+@redis_boundary
+async def read_schedules(r: Client, keys: Keys, where: Sequence[tuple[str, str]]) -> list[Stored]:
+    """The schedules (name, queue) given that exist, in that order; one round trip.
+
+    1. HGETALL s:<name>   (each)
+    """
+    replies = await reads(r, [("HGETALL", keys.schedule(queue, name)) for name, queue in where])
+    found = []
+    for (name, queue), reply in zip(where, replies, strict=True):
+        if is_wrong_type(reply) or not reply:
+            continue
+        state = _fields(reply)
+        try:
+            definition = Definition.loads(state.get("def", ""), keys.schedule(queue, name))
+        except CorruptDataError:
+            definition = None
+        found.append(Stored(name, queue, definition, state))
+    return found
+
+
+@redis_boundary
+async def of_queue(r: Client, keys: Keys, queue: str) -> list[Stored]:
+    """The schedules of one queue.
+
+    1. SMEMBERS schedules
+    2. HGETALL s:<name>   (each)
+    """
+    (names,) = await reads(r, [("SMEMBERS", keys.queue_schedules(queue))])
+    return await read_schedules(r, keys, [(name, queue) for name in members(names)])
+
+
+@dataclass(frozen=True, slots=True)
+class Firing:
+    """What one look at a schedule did."""
+
+    submitted: list[str]
+    """Job ids of the ticks submitted."""
+    skipped: bool
+    """A due tick was skipped: its previous run was still live (``overlap=False``)."""
+    next_ms: int | None
+    """The next tick after the server's now; None if the schedule is gone (or broken)."""
+    now_ms: int
+
+
+@redis_boundary
+async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
+    """Submit a schedule's due ticks as jobs, each exactly once, fleet-wide.
+
+    The record of the latest tick handled and the jobs move in one transaction,
+    watched: of the workers that wake for a tick, one submits it and the others find
+    it handled. Ticks already in the job index (a job made by hand under a tick's id)
+    are not submitted again.
+    Keys: s:<name> (HASH), jobs (ZSET), j:<id>... (HASH), tasks (LIST).
+      1. WATCH s:<name>
+      2. TIME;  HGETALL s:<name>;  TYPE tasks  -> due ticks after max(since, last), by
+                                                  misfire; none: UNWATCH
+      3. ZMSCORE jobs <id>...;  (overlap=False) ZSCORE jobs <job>     -> +inf: skip
+      5. MULTI
+      6. HSET s:<name> last <tick> [job <id>];  (skipped) HINCRBY s:<name> skipped 1
+      7. per job: DEL j:<id>;  HSET j:<id> ...;  ZADD jobs +inf <id>
+      8. RPUSH tasks <envelope>...;  PUBLISH events work:<n>
+      9. EXEC                                   -> nil: back to 1
+     10. SADD queues queue
+    """
+    key = keys.schedule(queue, name)
+
+    async def body(pipe: Pipeline) -> Firing:
+        clock, raw, kind = await _beside(
+            pipe, [("TIME",), ("HGETALL", key), ("TYPE", keys.tasks(queue))]
+        )
+        now = int(text(clock[0])) * 1000 + int(text(clock[1])) // 1000
+        _raise_wrong([("HGETALL", key)], [raw])
+        state = _fields(raw) if raw else {}
+        if "def" not in state:
+            await pipe.reset()
+            return Firing([], False, None, now)
+        definition = Definition.loads(state["def"], key)
+        last = int(state["last"]) if state.get("last", "").isdigit() else 0
+        since = int(state["since"]) if state.get("since", "").isdigit() else now
+        limit = MAX_MISFIRED if definition.misfire == "all" else 1
+        due = definition.ticks(max(last, since), now, limit)
+        next_ms = definition.next_after(now)
+        if not due:
+            await pipe.reset()
+            return Firing([], False, next_ms, now)
+        latest = due[-1]
+        if definition.misfire == "skip" and now - latest > MISFIRE_GRACE_MS:
+            due = []
+        skipped = False
+        envelopes: list[Envelope] = []
+        if due:
+            if text(kind) not in ("list", "none"):
+                await pipe.reset()
+                raise _corrupt(keys.tasks(queue), text(kind))
+            ids = [definition.tick_id(name, tick) for tick in due]
+            previous = state.get("job") if not definition.overlap else None
+            scores, *running = await _beside(
+                pipe,
+                [
+                    ("ZMSCORE", keys.jobs(queue), *ids),
+                    *([("ZSCORE", keys.jobs(queue), previous)] if previous else []),
+                ],
+            )
+            if is_wrong_type(scores):
+                await pipe.reset()
+                raise _corrupt(keys.jobs(queue))
+            skipped = bool(running) and live_score(running[0])
+            fresh = (
+                []
+                if skipped
+                else [job_id for job_id, score in zip(ids, scores, strict=True) if score is None]
+            )
+            made = definition.job_options()
+            for job_id in fresh:
+                envelopes += made.envelopes([definition.payload], job_id, now)
+        pipe.multi()
+        record: list[str | int] = ["last", latest]
+        if envelopes:
+            record += ["job", envelopes[-1].header.id]
+        pipe.execute_command("HSET", key, *record)
+        if skipped:
+            pipe.execute_command("HINCRBY", key, "skipped", 1)
+        for envelope in envelopes:
+            _record_job(pipe, keys, queue, envelope, "queued")
+        if envelopes:
+            pipe.execute_command("RPUSH", keys.tasks(queue), *(e.raw for e in envelopes))
+            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(envelopes))))
+        return Firing([e.header.id for e in envelopes], skipped, next_ms, now)
+
+    done, _ = await _optimistic(r, [key], body)
+    if done.submitted:
+        await reads(r, [("SADD", keys.queues, queue)])
+    return done

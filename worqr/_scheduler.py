@@ -1,0 +1,138 @@
+"""Driving schedules: every worker keeps a timer for the schedules of the queues it
+works on, and at each tick tries `_ops_schedules.fire`.
+
+No peer owns a schedule: each worker of its queue wakes at the tick, and the watched
+transaction of `fire` lets exactly one of them submit it (the others find the tick
+handled), so a killed, stalled or partitioned worker delays nothing while another one
+lives. Workers learn of schedules when they start work on a queue, from the
+``schedule:<name>`` event each store or drop publishes and, in case one was missed,
+by reading the queue's schedules again every `_RELOAD` seconds. Their clocks need
+not agree: the transaction judges by the server's ``TIME``.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from . import _ops_schedules
+from ._clock import ServerClock
+from ._errors import BackendError, CorruptDataError
+from ._keys import Keys
+from ._log import PeerLog
+from ._ops import Client
+
+_RELOAD = 10.0  # seconds between reads of a queue's schedules (missed events)
+_RETRY_AFTER_MS = 1000  # a failed look is tried again this much later
+_MIN_WAIT = 0.001
+_MAX_WAIT = 1.0  # seconds a timer sleeps before it looks at the clock estimate again
+
+
+class Scheduler:
+    """Timers of one worker for the schedules of the queues it works on."""
+
+    def __init__(self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog) -> None:
+        self._client = client
+        self._keys = keys
+        self._clock = clock
+        self._log = log
+        self._queues: set[str] = set()
+        self._stale: set[str] = set()  # queues whose schedules are to be read again
+        self._due: dict[tuple[str, str], int] = {}  # (queue, name) -> next tick (server ms)
+        self._loaded: dict[str, float] = {}  # queue -> monotonic time of its last read
+        self._wake = anyio.Event()
+
+    def watch(self, queue: str) -> None:
+        """Drive the schedules of ``queue`` from now on."""
+        self._queues.add(queue)
+        self._reload(queue)
+
+    def forget(self, queue: str) -> None:
+        """Stop driving the schedules of a queue this worker no longer works on."""
+        self._queues.discard(queue)
+        self._stale.discard(queue)
+        self._loaded.pop(queue, None)
+        for key in [key for key in self._due if key[0] == queue]:
+            del self._due[key]
+
+    def hook(self, queue: str, kind: str, message: str) -> None:
+        """A ``schedule:<name>`` event: read the queue's schedules again."""
+        if kind == _ops_schedules.SCHEDULE_EVENT and queue in self._queues:
+            self._reload(queue)
+
+    def _reload(self, queue: str) -> None:
+        self._stale.add(queue)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Fire what is due, for good: an unexpected error is logged and the loop goes
+        on (a peer must not lose its other duties to one bad schedule)."""
+        while True:
+            try:
+                await self._round()
+            except Exception:
+                self._log.exception("driving schedules failed; going on")
+                self._stale.update(self._queues)
+                await anyio.sleep(_RETRY_AFTER_MS / 1000)
+
+    async def _round(self) -> None:
+        now_mono = anyio.current_time()
+        for queue in self._queues:
+            if now_mono - self._loaded.get(queue, -_RELOAD) >= _RELOAD:
+                self._stale.add(queue)
+        for queue in list(self._stale):
+            self._stale.discard(queue)
+            await self._load(queue)
+        now = self._clock.estimate_ms()
+        for (queue, name), due in list(self._due.items()):
+            if due <= now and self._due.get((queue, name)) == due:
+                await self._fire(queue, name)
+        self._wake = anyio.Event()
+        now = self._clock.estimate_ms()
+        earliest = min(self._due.values(), default=None)
+        wait = _MAX_WAIT if earliest is None else max(_MIN_WAIT, (earliest - now) / 1000)
+        with anyio.move_on_after(min(wait, _MAX_WAIT)):
+            await self._wake.wait()
+
+    async def _load(self, queue: str) -> None:
+        """Read a queue's schedules; each one's next tick is the first after the
+        latest it handled (a tick missed while no worker was alive fires at once)."""
+        try:
+            found = await _ops_schedules.of_queue(self._client, self._keys, queue)
+        except BackendError as exc:
+            self._log.warning("reading schedules failed: %s", exc, extra={"queue": queue})
+            self._stale.add(queue)
+            return
+        if queue not in self._queues:
+            return
+        self._loaded[queue] = anyio.current_time()
+        for key in [key for key in self._due if key[0] == queue]:
+            del self._due[key]
+        for stored in found:
+            if stored.definition is None:
+                continue  # check() reports it
+            state = stored.state
+            last = int(state["last"]) if state.get("last", "").isdigit() else 0
+            since = int(state["since"]) if state.get("since", "").isdigit() else 0
+            self._due[(queue, stored.name)] = stored.definition.next_after(max(last, since))
+
+    async def _fire(self, queue: str, name: str) -> None:
+        try:
+            done = await _ops_schedules.fire(self._client, self._keys, queue, name)
+        except BackendError as exc:
+            if not isinstance(exc, CorruptDataError):
+                self._log.warning(
+                    "firing schedule %r failed: %s", name, exc, extra={"queue": queue}
+                )
+            self._due[(queue, name)] = self._clock.estimate_ms() + _RETRY_AFTER_MS
+            return
+        if done.skipped:
+            self._log.info(
+                "schedule %r skipped a tick: its previous run is still live",
+                name,
+                extra={"queue": queue},
+            )
+        if done.next_ms is None or queue not in self._queues:
+            self._due.pop((queue, name), None)
+            return
+        # As the promoter does: the next tick as this peer's estimate will reach it.
+        self._due[(queue, name)] = self._clock.estimate_ms() + done.next_ms - done.now_ms
