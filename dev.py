@@ -29,7 +29,9 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)
   bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)
   bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)
-  bench-jobs  python -m benchmarks.jobs ARGS (delayed jobs, results and retries against peers)"""
+  bench-jobs  python -m benchmarks.jobs ARGS (delayed jobs, results and retries against peers)
+  bench-schedules  python -m benchmarks.schedules ARGS (a cron chaos run, worqr and peers)
+  bench-flow  python -m benchmarks.flow ARGS (priority fairness, rate-limit accuracy)"""
 
 
 def run(*cmd: str | Path) -> int:
@@ -95,6 +97,16 @@ def bench_jobs(args: list[str]) -> int:
     return run(PYTHON, "-m", "benchmarks.jobs", *args)
 
 
+def bench_schedules(args: list[str]) -> int:
+    """Run the cron chaos benchmark: a 1 s schedule under faults, worqr and its peers."""
+    return run(PYTHON, "-m", "benchmarks.schedules", *args)
+
+
+def bench_flow(args: list[str]) -> int:
+    """Run the flow-control benchmarks: priority fairness and rate-limit accuracy."""
+    return run(PYTHON, "-m", "benchmarks.flow", *args)
+
+
 def thorough(args: list[str]) -> int:
     """Run the property tests with five times as many examples as the suite runs."""
     argv = [str(PYTHON), "-m", "pytest", "tests/test_properties.py", *args]
@@ -117,6 +129,8 @@ VERBS = {
     "bench": bench,
     "bench-cluster": bench_cluster,
     "bench-jobs": bench_jobs,
+    "bench-schedules": bench_schedules,
+    "bench-flow": bench_flow,
 }
 
 

@@ -22,11 +22,19 @@ Handler = Callable[[Process], Awaitable[str | None]]
 
 @contextlib.asynccontextmanager
 async def consuming(
-    worker: Worqr, handler: Handler, *, queue: str, concurrency: int = 1
+    worker: Worqr,
+    handler: Handler,
+    *,
+    queue: str,
+    concurrency: int = 1,
+    priority: str = "weighted",
 ) -> AsyncIterator[None]:
     """``worker.consume(queue, handler)`` for the length of the block."""
+    consume = functools.partial(
+        worker.consume, queue, handler, concurrency=concurrency, priority=priority
+    )
     async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(worker.consume, queue, handler, concurrency=concurrency))
+        tg.start_soon(consume)
         yield
         tg.cancel_scope.cancel()
 

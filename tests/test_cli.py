@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,7 @@ def test_read_verbs_have_stable_json(server: EmbeddedServer) -> None:
             {
                 "name": "jobs",
                 "queued": 2,
+                "levels": {"high": 0, "normal": 2, "low": 0},
                 "in_process": 0,
                 "failed": 0,
                 "delayed": 0,
@@ -297,7 +299,7 @@ async def render(url: str, raw: Redis) -> str:
                 result = await anyio.to_thread.run_sync(lambda a=args: worqr_cli(*a, url=url))
                 assert result.returncode in (0, 1), result.stderr
                 shown = normalize(result.stdout + result.stderr)
-                parts.append(f"```console\n$ worqr {' '.join(args)}\n{shown}```\n")
+                parts.append(f"```console\n$ worqr {shlex.join(args)}\n{shown}```\n")
             if verb == "enqueue":
                 from .test_cli_jobs import job_sections
 

@@ -76,7 +76,7 @@ async def test_bad_schedules_fail_and_store_nothing(
     redis_url: str, prefix: str, peer: Worqr, args: list[str]
 ) -> None:
     done = cli(redis_url, prefix, *args)
-    assert done.returncode != 0
+    assert done.returncode == 2, done.stderr
     assert done.stderr.strip()
     assert await peer.get_schedules() == []
 
@@ -91,18 +91,34 @@ async def test_pause_resume_and_rate_limit(redis_url: str, prefix: str, peer: Wo
     stats = json.loads(cli(redis_url, prefix, "stats", "--json").stdout)
     assert stats["paused"] == 1 and stats["delayed"] == 1
     (row,) = stats["per_queue"]
-    assert row["paused"] is True and row["rate_limit"] == [10, 2.5] and row["delayed"] == 1
+    assert row["paused"] is True and row["delayed"] == 1
+    assert row["rate_limit"] == {"limit": 10, "per": 2.5}
     text = cli(redis_url, prefix, "stats").stdout
     assert "10/2.5s" in text and "PAUSED" in text
     assert cli(redis_url, prefix, "resume", "q").returncode == 0
     assert not await peer.is_paused("q")
     assert cli(redis_url, prefix, "rate-limit", "q", "none").returncode == 0
     assert await peer.get_rate_limit("q") is None
-    for bad in (
-        ["rate-limit", "q", "0", "1"],
-        ["rate-limit", "q", "5"],
-        ["rate-limit", "q", "5", "x"],
+    for bad, says in (
+        (["rate-limit", "q", "0", "1"], "LIMIT must be at least 1"),
+        (["rate-limit", "q", "5"], "give LIMIT PER"),
+        (["rate-limit", "q", "5", "x"], "PER must be a number of seconds"),
+        (["rate-limit", "q", "none", "5"], "none alone"),
     ):
         done = cli(redis_url, prefix, *bad)
-        assert done.returncode != 0 and done.stderr.strip(), bad
+        assert done.returncode == 2 and says in done.stderr, (bad, done.stderr)
     assert await peer.get_rate_limit("q") is None
+
+
+async def test_priority_options_and_levels_in_stats(
+    redis_url: str, prefix: str, peer: Worqr
+) -> None:
+    assert cli(redis_url, prefix, "enqueue", "q", "a", "b", "--priority", "high").returncode == 0
+    assert cli(redis_url, prefix, "submit", "q", "job", "--priority", "low").returncode == 0
+    assert cli(redis_url, prefix, "enqueue", "q", "n").returncode == 0
+    bad = cli(redis_url, prefix, "enqueue", "q", "x", "--priority", "urgent")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    stats = json.loads(cli(redis_url, prefix, "stats", "--json").stdout)
+    assert stats["per_queue"][0]["levels"] == {"high": 2, "normal": 1, "low": 1}
+    assert "2/1/1" in cli(redis_url, prefix, "stats").stdout
+    assert (await peer.get_tasks("q"))[:3] == ["a", "b", "n"]

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import anyio
 
-from ._errors import InvalidProcessIdError, is_wrong_type, redis_boundary
+from ._errors import CorruptDataError, InvalidProcessIdError, is_wrong_type, redis_boundary
+from ._flow import Flow, read_flow
 from ._keys import TYPES, Keys
 from ._names import parse_process_id
-from ._ops import Client, Command, live_score, members, reads, text
+from ._ops import Client, Command, level_of_stored, live_score, members, reads, text
+from ._schedules import Definition
 
 _SECOND_LOOK = 0.1  # seconds before a dangling id is confirmed
 
@@ -82,6 +84,7 @@ class _State:
     live_jobs: dict[tuple[str, str], str]  # (queue, job id) -> live envelope
     records: set[tuple[str, str]]  # (queue, job id) with a record
     indexed: set[tuple[str, str]]  # (queue, job id) live in the index
+    settings: list[tuple[str, str, str]]  # (kind, queue, rest) of flow and s:<name> keys
 
 
 @redis_boundary
@@ -107,7 +110,9 @@ async def _read(r: Client, keys: Keys) -> _State:
     process_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "p"]
     held_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "held"]
     holder_queues = [owner for _, kind, owner, _ in good if kind == "holders"]
-    task_queues = {owner for _, kind, owner, _ in good if kind in ("tasks", "delayed")}
+    task_queues = {
+        owner for _, kind, owner, _ in good if kind in ("tasks", "high", "low", "delayed")
+    }
     deadline_queues = [owner for _, kind, owner, _ in good if kind == "deadlines"]
     index_queues = [owner for _, kind, owner, _ in good if kind == "jobs"]
     job_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "j"]
@@ -202,6 +207,7 @@ async def _read(r: Client, keys: Keys) -> _State:
         live_jobs,
         set(job_keys),
         indexed,
+        [(kind, owner, rest) for _, kind, owner, rest in good if kind in ("flow", "s")],
     )
 
 
@@ -330,6 +336,7 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
     for key in sorted(state.endless):
         problems.append(Problem("no-expiry", "a key worqr always sets with an expiry", key=key))
     problems += await _job_problems(r, keys, state)
+    problems += await _setting_problems(r, keys, state)
     return problems
 
 
@@ -369,6 +376,29 @@ async def _unindexed(r: Client, keys: Keys, state: _State) -> list[tuple[str, st
         and isinstance(state_now, str | bytes)
         and text(state_now) in ("queued", "delayed")
     ]
+
+
+async def _setting_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:
+    """Flow-control hashes and schedules that cannot be read: a limit that is no
+    positive number (the queue hands out nothing) or a definition no worker can run."""
+    commands: list[Command] = [
+        read_flow(keys, queue) if kind == "flow" else ("HGET", keys.schedule(queue, rest), "def")
+        for kind, queue, rest in state.settings
+    ]
+    problems = []
+    for (kind, queue, rest), reply in zip(state.settings, await reads(r, commands), strict=True):
+        if is_wrong_type(reply) or reply is None:
+            continue  # a wrong type is its own finding; gone since the SCAN
+        try:
+            if kind == "flow":
+                Flow.parse(reply, keys.flow(queue))
+            else:
+                Definition.loads(text(reply), keys.schedule(queue, rest))
+        except CorruptDataError as exc:
+            what = "unreadable-flow" if kind == "flow" else "unreadable-schedule"
+            key = keys.flow(queue) if kind == "flow" else keys.schedule(queue, rest)
+            problems.append(Problem(what, str(exc), queue, key=key))
+    return problems
 
 
 async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:
@@ -428,7 +458,7 @@ async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:
         commands = []
         for queue, job_id, env in candidates:
             commands += [
-                ("LPOS", keys.tasks(queue), env),
+                ("LPOS", keys.level(queue, level_of_stored(env)), env),
                 ("ZSCORE", keys.delayed(queue), env),
                 ("HMGET", keys.job(queue, job_id), "env"),
             ]

@@ -201,11 +201,12 @@ async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
         {
             "name": s.queue,
             "queued": s.queued,
+            "levels": s.levels,
             "in_process": s.in_process,
             "failed": s.failed,
             "delayed": s.delayed,
             "paused": s.paused,
-            "rate_limit": None if s.rate_limit is None else list(s.rate_limit),
+            "rate_limit": None if s.rate_limit is None else s.rate_limit._asdict(),
         }
         for s in stats
     ]
@@ -213,6 +214,7 @@ async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
         [
             s.queue,
             s.queued,
+            "/".join(str(s.levels.get(level, 0)) for level in ("high", "normal", "low")),
             s.in_process,
             s.failed,
             s.delayed,
@@ -222,7 +224,16 @@ async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
         for s in stats
     ]
     if per_queue:
-        header = ["QUEUE", "QUEUED", "IN PROCESS", "FAILED", "DELAYED", "PAUSED", "LIMIT"]
+        header = [
+            "QUEUE",
+            "QUEUED",
+            "HIGH/NORMAL/LOW",
+            "IN PROCESS",
+            "FAILED",
+            "DELAYED",
+            "PAUSED",
+            "LIMIT",
+        ]
         text += "\n\n" + table(per_queue, header)
     emit(out, args, data, text)
     return OK
@@ -247,11 +258,11 @@ async def cmd_enqueue(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> in
         raise argparse.ArgumentTypeError("give tasks, or --stdin to read one per line")
     count = 0
     if args.tasks:
-        await worqr.enqueue(args.queue, args.tasks, unique=args.unique)
+        await worqr.enqueue(args.queue, args.tasks, unique=args.unique, priority=args.priority)
         count += len(args.tasks)
     if args.stdin:
         for batch in _stdin_batches(sys.stdin):
-            await worqr.enqueue(args.queue, batch, unique=args.unique)
+            await worqr.enqueue(args.queue, batch, unique=args.unique, priority=args.priority)
             count += len(batch)
     emit(out, args, {"enqueued": count}, f"enqueued {count} task(s) on {args.queue!r}")
     return OK
@@ -337,6 +348,7 @@ async def cmd_submit(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
         delay=args.delay,
         result_ttl=args.result_ttl,
         unique=args.unique,
+        priority=args.priority,
     )
     if not args.wait and args.wait_timeout is None:
         emit(out, args, {"id": job.id}, job.id)
@@ -413,6 +425,7 @@ async def cmd_schedules(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> 
             s.name,
             s.queue,
             s.cron or f"every {s.every:g}s",
+            s.timezone if s.cron else "-",
             s.misfire,
             "yes" if s.overlap else "no",
             None if s.last_tick is None else _when(s.last_tick),
@@ -420,14 +433,23 @@ async def cmd_schedules(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> 
         ]
         for s in found
     ]
-    header = ["NAME", "QUEUE", "WHEN", "MISFIRE", "OVERLAP", "LAST TICK (UTC)", "NEXT TICK (UTC)"]
+    header = [
+        "NAME",
+        "QUEUE",
+        "WHEN",
+        "TIMEZONE",
+        "MISFIRE",
+        "OVERLAP",
+        "LAST TICK (UTC)",
+        "NEXT TICK (UTC)",
+    ]
     emit(out, args, data, table(rows, header))
     return OK
 
 
 async def cmd_schedule(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     if (args.cron is None) == (args.every is None):
-        raise CommandError("give --cron EXPR or --every S")
+        raise argparse.ArgumentTypeError("give exactly one of --cron EXPR and --every S")
     await worqr.schedule(
         args.name,
         args.queue,
@@ -438,7 +460,10 @@ async def cmd_schedule(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> i
         misfire=args.misfire,
         overlap=not args.no_overlap,
         max_attempts=args.max_attempts,
+        backoff=args.backoff,
         timeout=args.timeout,
+        result_ttl=args.result_ttl,
+        priority=args.priority,
     )
     when = f"cron {args.cron!r}" if args.cron else f"every {args.every:g} s"
     emit(out, args, {"scheduled": args.name}, f"scheduled {args.name!r} on {args.queue!r}, {when}")
@@ -467,18 +492,18 @@ async def cmd_resume(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
 async def cmd_rate_limit(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     if args.limit == "none":
         if args.per is not None:
-            raise CommandError("give LIMIT PER, or none alone to remove the limit")
+            raise argparse.ArgumentTypeError("give LIMIT PER, or none alone to remove the limit")
         await worqr.set_rate_limit(args.queue, None)
         emit(out, args, {"rate_limit": None}, f"removed the rate limit of {args.queue!r}")
         return OK
     if args.per is None:
-        raise CommandError("give LIMIT PER (seconds), or none to remove the limit")
-    limit, per = count(args.limit), seconds(args.per)
+        raise argparse.ArgumentTypeError("give LIMIT PER (seconds), or none to remove the limit")
+    limit, per = _named("LIMIT", count, args.limit), _named("PER", seconds, args.per)
     await worqr.set_rate_limit(args.queue, limit, per)
     emit(
         out,
         args,
-        {"rate_limit": [limit, per]},
+        {"rate_limit": {"limit": limit, "per": per}},
         f"{args.queue!r} starts at most {limit} task(s) in any {per:g} s",
     )
     return OK
@@ -502,6 +527,14 @@ async def cmd_watch(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
 
 
 # -- the parser and the boundary ------------------------------------------------------------
+
+
+PRIORITY_OPTION = ("--priority",)
+PRIORITY_HELP: dict[str, Any] = {
+    "choices": ["high", "normal", "low"],
+    "default": "normal",
+    "help": "the level it waits at (default: normal)",
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -557,6 +590,7 @@ def parser() -> argparse.ArgumentParser:
     enqueue.add_argument("tasks", nargs="*", metavar="TASK")
     enqueue.add_argument("--unique", action="store_true", help="refuse live duplicates")
     enqueue.add_argument("--stdin", action="store_true", help="read one task per line")
+    enqueue.add_argument(*PRIORITY_OPTION, **PRIORITY_HELP)
     submit = verb("submit", cmd_submit, "submit a job; print its id (with --wait, its result)")
     submit.add_argument("queue")
     submit.add_argument("payload")
@@ -593,6 +627,7 @@ def parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--unique", action="store_true", help="an id made from the payload: refuse live duplicates"
     )
+    submit.add_argument(*PRIORITY_OPTION, **PRIORITY_HELP)
     submit.add_argument(
         "--wait", action="store_true", help="wait for its end: print the result, or exit 1"
     )
@@ -622,7 +657,11 @@ def parser() -> argparse.ArgumentParser:
     schedule.add_argument("name")
     schedule.add_argument("queue")
     schedule.add_argument("payload")
-    schedule.add_argument("--cron", metavar="EXPR", help="a 5-field cron expression")
+    schedule.add_argument(
+        "--cron",
+        metavar="EXPR",
+        help='a cron expression, quoted: 5 fields ("0 3 * * *"), or 6 with seconds last',
+    )
     schedule.add_argument("--every", type=seconds, metavar="S", help="a tick every S seconds")
     schedule.add_argument(
         "--timezone", default="UTC", metavar="TZ", help="the cron's IANA zone (default: UTC)"
@@ -637,6 +676,17 @@ def parser() -> argparse.ArgumentParser:
         "--no-overlap", action="store_true", help="skip a tick while the last run still lives"
     )
     schedule.add_argument("--max-attempts", type=count, default=1, metavar="N")
+    schedule.add_argument(
+        "--backoff", type=seconds_or_zero, metavar="S", help="seconds between attempts"
+    )
+    schedule.add_argument(
+        "--result-ttl",
+        type=seconds_or_zero,
+        default=86400.0,
+        metavar="S",
+        help="seconds each run's outcome stays readable (default: 86400)",
+    )
+    schedule.add_argument(*PRIORITY_OPTION, **PRIORITY_HELP)
     schedule.add_argument("--timeout", type=seconds, metavar="S", help="seconds a run may take")
     verb("unschedule", cmd_unschedule, "remove a schedule (exit 1 if unknown)").add_argument("name")
     verb("pause", cmd_pause, "pause a queue: it accepts work, hands out none").add_argument("queue")
@@ -688,6 +738,14 @@ back to the front of the queue. If worqr run is killed outright (SIGKILL, a cras
 Linux each child gets SIGKILL with it; processes a child started run on unless it passes
 that on (exec its last command, or setpriv --pdeathsig KILL). Elsewhere children outlive
 a killed worqr run."""
+
+
+def _named(what: str, kind: Callable[[str], _N], value: str) -> _N:
+    """``kind(value)``, its error saying which argument was wrong."""
+    try:
+        return kind(value)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{what} {exc}") from exc
 
 
 def count(value: str) -> int:

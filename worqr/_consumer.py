@@ -33,7 +33,9 @@ _TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
 class Host(Protocol):
     """What a consumer needs from the `Worqr` that runs it."""
 
-    async def _take(self, queue: str, count: int, *, announced: bool) -> list[Process]: ...
+    async def _take(
+        self, queue: str, count: int, *, announced: bool, policy: str
+    ) -> list[Process]: ...
 
     async def _settle(
         self,
@@ -60,9 +62,17 @@ class Consumer:
     """
 
     def __init__(
-        self, host: Host, queue: str, handler: Handler, concurrency: int, log: PeerLog
+        self,
+        host: Host,
+        queue: str,
+        handler: Handler,
+        concurrency: int,
+        log: PeerLog,
+        *,
+        policy: str = "weighted",
     ) -> None:
         self.queue = queue
+        self._policy = policy
         self._log = log
         self._host = host
         self._handler = handler
@@ -88,8 +98,10 @@ class Consumer:
         if kind == "work":  # "work:N" announces N tasks; a bare "work:" asks for a look
             self._announced += work_count(message)
             self._backlog = True
-            if not message:  # also after a throttle: the flow control may have changed
-                self._look.set()
+            self._wake.set()
+        elif kind == "flow":  # paused, resumed or limited: look again, throttled or not
+            self._backlog = True
+            self._look.set()
             self._wake.set()
         elif kind == "cancel":
             if self._dequeuing:  # the dequeue in flight may return it
@@ -197,10 +209,10 @@ class Consumer:
             self._idle.set()
 
     async def _sleep(self, seconds: float) -> None:
-        """Sleep while throttled, waking early only to stop or for a bare ``work:``
-        event (sent when the flow control changes): work announced or a handler
-        ending cannot make a rate-limited start come sooner. At most `_THROTTLE_NAP`
-        seconds, in case that event was missed."""
+        """Sleep while throttled, waking early only to stop or for a ``flow:`` event
+        (the flow control changed): work announced or a handler ending cannot make a
+        rate-limited start come sooner. At most `_THROTTLE_NAP` seconds, in case that
+        event was missed."""
         self._look = anyio.Event()
         with anyio.move_on_after(min(seconds, _THROTTLE_NAP)):
             while self._taking and not self._look.is_set():
@@ -230,7 +242,9 @@ class Consumer:
             # A dequeue cut off here may have been applied: the audit returns what it
             # took once it is older than worker_timeout.
             with anyio.move_on_after(_TAKE_LIMIT):
-                taken = await self._host._take(self.queue, count, announced=bool(announced))
+                taken = await self._host._take(
+                    self.queue, count, announced=bool(announced), policy=self._policy
+                )
                 await self._start_taken(taken)
                 self._backlog = len(taken) == free
                 return self._backlog

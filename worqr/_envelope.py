@@ -10,7 +10,8 @@ The header carries everything a worker needs to run the attempt and decide what 
 after it, so a dequeue stays one transaction with no read of the job's record: ``id``,
 ``a`` the attempt this copy runs (1-based), ``m`` max attempts, ``b`` the backoff
 (initial, factor, maximum, jitter 0/1), ``t`` the timeout in seconds (null: none),
-``r`` the result TTL in seconds and ``e`` the submit time (Unix ms, server time).
+``r`` the result TTL in seconds, ``e`` the submit time (Unix ms, server time) and,
+for a job of another priority than normal, ``p`` its level (``high`` or ``low``).
 Each retry stores a new envelope with ``a`` one higher; a dead worker's copy goes back
 unchanged (a death is not an attempt).
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import InvalidJobIdError, InvalidTaskError
+from ._levels import LEVELS
 
 MARKER = "\x1ejob:"
 """How an envelope begins. A plain task may not begin with ``\\x1e`` (see `check_task`)."""
@@ -51,6 +53,8 @@ class Header:
     result_ttl: float
     enqueued_at: int
     """Unix ms, server time."""
+    priority: str = "normal"
+    """The level whose list the job waits in (see `_levels`)."""
 
     def next_attempt(self) -> Header:
         return replace(self, attempt=self.attempt + 1)
@@ -84,6 +88,8 @@ def wrap(header: Header, payload: str) -> str:
         "r": header.result_ttl,
         "e": header.enqueued_at,
     }
+    if header.priority != "normal":
+        fields["p"] = header.priority
     return f"{MARKER}{json.dumps(fields, separators=(',', ':'))}\n{payload}"
 
 
@@ -109,12 +115,19 @@ def unwrap(task: str) -> Envelope | None:
             timeout=None if data["t"] is None else _seconds(data["t"]),
             result_ttl=_seconds(data["r"]),
             enqueued_at=_unix_ms(data["e"]),
+            priority=_level(data.get("p", "normal")),
         )
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise ValueError(f"unreadable job header: {exc}") from exc
     if not _JOB_ID.fullmatch(header.id) or len(header.id) > MAX_JOB_ID:
         raise ValueError(f"job header with a malformed id {header.id!r}")
     return Envelope(header, payload, task)
+
+
+def _level(value: Any) -> str:
+    if value not in LEVELS:
+        raise ValueError(f"unknown priority {value!r}")
+    return str(value)
 
 
 def check_job_id(job_id: object) -> str:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ._envelope import MAX_SECONDS, MAX_UNIX_MS, Envelope, Header, new_job_id, wrap
 from ._errors import WorqrError
+from ._levels import check_priority
 
 if TYPE_CHECKING:
     from ._worqr import Worqr
@@ -185,6 +186,7 @@ class Options:
     at_ms: int | None
     result_ttl: float
     unique: bool
+    priority: str = "normal"
 
     def due_ms(self, now_ms: int) -> int | None:
         """When jobs submitted at ``now_ms`` (server time) are due; None for now."""
@@ -216,6 +218,7 @@ class Options:
                 timeout=self.timeout,
                 result_ttl=self.result_ttl,
                 enqueued_at=now_ms,
+                priority=self.priority,
             )
             found.append(Envelope(header, payload, wrap(header, payload)))
         return found
@@ -230,6 +233,7 @@ def options(
     at: object,
     result_ttl: object,
     unique: object,
+    priority: object = "normal",
 ) -> Options:
     """Check the options of a submit, saying what is wrong with the first bad one."""
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
@@ -249,6 +253,7 @@ def options(
         at_ms=None if at is None else _unix_ms(at),
         result_ttl=_seconds("result_ttl", result_ttl),
         unique=unique,
+        priority=check_priority(priority),
     )
 
 

@@ -66,6 +66,15 @@ class Keys:
         """LIST of queued tasks; the head is dequeued next."""
         return f"{self.prefix}:q:{{{queue}}}:tasks"
 
+    def level(self, queue: str, level: str) -> str:
+        """LIST of the queued tasks of one priority level (see `_levels`): ``tasks`` for
+        ``normal``, ``high`` and ``low`` for the others."""
+        return self.tasks(queue) if level == "normal" else f"{self.prefix}:q:{{{queue}}}:{level}"
+
+    def levels(self, queue: str) -> tuple[str, str, str]:
+        """The lists of the queue's levels, highest first."""
+        return (self.level(queue, "high"), self.tasks(queue), self.level(queue, "low"))
+
     def failed(self, queue: str) -> str:
         """LIST of JSON records of failed tasks, oldest first."""
         return f"{self.prefix}:q:{{{queue}}}:failed"
@@ -178,8 +187,9 @@ class Keys:
     def parse(self, key: str) -> tuple[str, str, str] | None:
         """``(kind, owner, rest)`` of a per-queue or per-worker key, None for others.
 
-        kind is the key's last word (``tasks``, ``failed``, ``unique``, ``deaths``,
-        ``holders``, ``held``, ``p``, ``j``, ``jobs``, ``delayed``, ``deadlines``,
+        kind is the key's last word (``tasks``, ``high``, ``low``, ``failed``,
+        ``unique``, ``deaths``, ``holders``, ``held``, ``p``, ``j``, ``jobs``,
+        ``delayed``, ``deadlines``,
         ``flow``, ``starts``, ``schedules``, ``s``, ``alive``, ``queues``); owner is the
         queue or the worker in the hash tag; rest is the worker of ``held``, the id of
         ``p``, the job id of ``j`` or the schedule name of ``s``.
@@ -199,6 +209,8 @@ class Keys:
 
 TYPES = {
     "tasks": "list",
+    "high": "list",
+    "low": "list",
     "failed": "list",
     "unique": "set",
     "deaths": "hash",
@@ -221,6 +233,8 @@ TYPES = {
 _QUEUE_KEYS = frozenset(
     {
         "tasks",
+        "high",
+        "low",
         "failed",
         "unique",
         "deaths",

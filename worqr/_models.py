@@ -129,3 +129,5 @@ class QueueStatistics:
     """Jobs waiting for their due time (retries waiting out their backoff included)."""
     paused: bool = False
     rate_limit: RateLimit | None = None
+    levels: dict[str, int] = field(default_factory=dict)
+    """Queued tasks per priority level (``high``, ``normal``, ``low``)."""

@@ -1,8 +1,9 @@
 """Validation of caller-supplied names and the process id format.
 
 A process id is ``<worker_id>/<token>/<queue>``: any peer can derive from it the
-queue's hash slot and the owning worker's bookkeeping keys without a read. The
-token is a time-ordered hex string, so sorting a worker's ids orders its
+queue's hash slot, the owning worker's bookkeeping keys and the priority level its
+task came from without a read. The token is a time-ordered hex string (then ``h`` or
+``l`` for a task of level high or low), so sorting a worker's ids orders its
 processes by dequeue time.
 """
 
@@ -21,11 +22,12 @@ from ._errors import (
     InvalidTaskError,
     InvalidWorkerIdError,
 )
+from ._levels import level_of, suffix
 
 MAX_QUEUE_NAME = 256
 MAX_WORKER_ID = 128
 _WORKER_ID = re.compile(r"[A-Za-z0-9_.:@-]+")
-_TOKEN = re.compile(r"[0-9a-f]{22}")
+_TOKEN = re.compile(r"[0-9a-f]{22}[hl]?")
 _FORBIDDEN_IN_QUEUE = re.compile(r"[{}\x00-\x1f\x7f-\x9f]")
 _counter = itertools.count()
 _last_ns = 0  # the time part of the newest token made by this process
@@ -128,14 +130,19 @@ class ProcessRef:
         return f"{self.worker_id}/{self.token}/{self.queue}"
 
     @property
+    def level(self) -> str:
+        """The priority level the task was taken from (see `_levels`)."""
+        return level_of(self.token)
+
+    @property
     def dequeued_at(self) -> float:
         """Unix time of the dequeue, by the dequeuing worker's clock."""
         return int(self.token[:16], 16) / 1e9
 
 
-def new_process_id(worker_id: str, queue: str) -> ProcessRef:
+def new_process_id(worker_id: str, queue: str, level: str = "normal") -> ProcessRef:
     """A fresh, unique process id of ``worker_id`` in ``queue``, ordered after every id
-    this process made before.
+    this process made before, for a task of priority ``level``.
 
     The time part is the wall clock, but never less than the last one plus 1 ns: a
     clock stepped back (NTP, a VM migration) must not reorder a worker's processes,
@@ -143,7 +150,7 @@ def new_process_id(worker_id: str, queue: str) -> ProcessRef:
     """
     global _last_ns
     _last_ns = max(time.time_ns(), _last_ns + 1)
-    token = f"{_last_ns:016x}{next(_counter) & 0xFFFFFF:06x}"
+    token = f"{_last_ns:016x}{next(_counter) & 0xFFFFFF:06x}{suffix(level)}"
     return ProcessRef(worker_id, token, queue)
 
 

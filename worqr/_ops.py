@@ -41,11 +41,15 @@ from ._errors import (
 from ._flow import Flow, Paused, Throttled, read_flow
 from ._jobs import Backoff
 from ._keys import Keys
+from ._levels import LEVELS, Picker
 from ._models import FailedTask, Process, WorkerInfo, readable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
 
 _T = TypeVar("_T")
 _MAX_ATTEMPTS = 100
+_LAG_ROUND_TRIPS = 2.5  # round trips from a rate-limited dequeue's TIME to its EXEC
+_LAG_MS = 5  # ms on top: the scheduling noise of a busy host
+_LATE_TRIES = 5  # rate-limited dequeues in a row whose EXEC ran later than allowed
 
 Command = tuple[str | int | float, ...]
 
@@ -90,6 +94,13 @@ async def reads(r: Client, commands: Sequence[Command]) -> list[Any]:
         for command in commands:
             pipe.execute_command(*command)
         return _unless_wrong(await pipe.execute(raise_on_error=False))
+
+
+async def reads_checked(r: Client, commands: Sequence[Command]) -> list[Any]:
+    """`reads`, raising `CorruptDataError` for the first wrong-typed key."""
+    replies = await reads(r, commands)
+    _raise_wrong(commands, replies)
+    return replies
 
 
 async def _beside(pipe: Pipeline, commands: Sequence[Command]) -> list[Any]:
@@ -158,6 +169,14 @@ def members(reply: Any) -> list[str]:
 def event(kind: str, message: str = "") -> str:
     """The wire form of an event on a queue's channel."""
     return f"{kind}:{message}"
+
+
+def announce(keys: Keys, queue: str, level: str, count: int) -> Command:
+    """The ``work`` event of ``count`` tasks pushed at ``level``: ``work:N`` for
+    normal ones, which a worker may take without a look at the levels; a bare
+    ``work:`` (a look) for the others, so that the worker reads which level holds
+    them rather than take from the normal list."""
+    return ("PUBLISH", keys.events(queue), event("work", str(count) if level == "normal" else ""))
 
 
 DONE_FIELD_LIMIT = 65_536
@@ -355,10 +374,16 @@ async def _wait(one: Pinned, wait: tuple[int, int]) -> int:
 
 @redis_boundary
 async def enqueue(
-    r: Client, keys: Keys, queue: str, tasks: Sequence[str], wait: tuple[int, int] | None = None
+    r: Client,
+    keys: Keys,
+    queue: str,
+    tasks: Sequence[str],
+    wait: tuple[int, int] | None = None,
+    level: str = "normal",
 ) -> int | None:
-    """Append tasks at the back of the queue; with ``wait`` (replicas, timeout in ms),
-    return how many replicas confirmed the push.
+    """Append tasks at the back of the queue's ``level`` list (``tasks`` for normal);
+    with ``wait`` (replicas, timeout in ms), return how many replicas confirmed the
+    push.
 
     The registry entry follows the push, so that a `delete_queue` racing it, which
     unregisters and then looks for tasks, cannot leave tasks in an unregistered queue.
@@ -371,8 +396,8 @@ async def enqueue(
     """
     register: list[Command] = [("SADD", keys.queues, queue)]
     push: list[Command] = [
-        ("RPUSH", keys.tasks(queue), *tasks),
-        ("PUBLISH", keys.events(queue), event("work", str(len(tasks)))),
+        ("RPUSH", keys.level(queue, level), *tasks),
+        announce(keys, queue, level, len(tasks)),
     ]
     if wait is None:  # a wrong-typed registry fails only its SADD: check reports it
         replies = await _in_order(r, [(keys.tasks(queue), push), (keys.queues, register)])
@@ -389,7 +414,12 @@ async def enqueue(
 
 @redis_boundary
 async def enqueue_unique(
-    r: Client, keys: Keys, queue: str, tasks: Sequence[str], wait: tuple[int, int] | None = None
+    r: Client,
+    keys: Keys,
+    queue: str,
+    tasks: Sequence[str],
+    wait: tuple[int, int] | None = None,
+    level: str = "normal",
 ) -> int | None:
     """Append tasks that must not already hold a unique mark in this queue; with
     ``wait``, as `enqueue`.
@@ -418,15 +448,15 @@ async def enqueue_unique(
                 f"unique task already queued or in process in {queue!r}: {taken[0]!r}"
             )
         pipe.multi()
-        pipe.execute_command("RPUSH", keys.tasks(queue), *tasks)
+        pipe.execute_command("RPUSH", keys.level(queue, level), *tasks)
         pipe.execute_command("SADD", keys.unique(queue), *tasks)
-        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(tasks))))
+        pipe.execute_command(*announce(keys, queue, level, len(tasks)))
 
     async def pushed(client: Client) -> None:
         _, replies = await _optimistic(client, [keys.unique(queue)], body)
         if is_wrong_type(replies[0]):  # tasks is no list: withdraw the marks just set
             await call(client, "SREM", keys.unique(queue), *tasks)
-            raise _corrupt(keys.tasks(queue))
+            raise _corrupt(keys.level(queue, level))
 
     async def waited(node: Redis, wait: tuple[int, int]) -> int:
         async with pinned(node) as one:  # WAIT counts the writes of its own connection
@@ -446,24 +476,25 @@ async def cancel(once: Client, keys: Keys, queue: str, task: str) -> int:
     """Remove every queued copy of a task and release its unique mark (``once``: a
     client that never resends, see `_atomic`).
 
-    Keys: tasks (LIST), unique (SET), deaths (HASH).
+    Keys: high, tasks, low (LIST), unique (SET), deaths (HASH).
       1. MULTI
-      2. LREM tasks 0 task              -> number removed
+      2. LREM <level> 0 task            (each level) -> numbers removed
       3. SREM unique task
       4. HDEL deaths <sha1>
       5. PUBLISH events cancel:<task>   (running copies are the handlers' to stop)
       6. EXEC
     """
 
+    removals: list[Command] = [("LREM", level, 0, task) for level in keys.levels(queue)]
     commands: list[Command] = [
-        ("LREM", keys.tasks(queue), 0, task),
+        *removals,
         ("SREM", keys.unique(queue), task),
         ("HDEL", keys.deaths(queue), digest(task)),
         ("PUBLISH", keys.events(queue), event("cancel", task)),
     ]
     replies = await _atomic(once, keys.tasks(queue), commands)
-    _raise_wrong(commands[:1], replies)  # the marks' keys are the check's to report
-    return int(replies[0])
+    _raise_wrong(removals, replies[:3])  # the marks' keys are the check's to report
+    return sum(int(reply) for reply in replies[:3])
 
 
 _DELETE_PASSES = 10
@@ -492,12 +523,12 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     The registry entry goes after the data, and comes back if the queue's next life
     began meanwhile (tasks pushed, or a process taken from them): `enqueue` registers
     after its push, so a queue with tasks or processes is never left unregistered.
-    Keys: holders, held:<w>..., p:<id>..., tasks, failed, unique, deaths, delayed,
+    Keys: holders, held:<w>..., p:<id>..., high, tasks, low, failed, unique, deaths, delayed,
     deadlines, jobs, j:<id>...; queues.
       0. SISMEMBER queues queue                                 -> known
       1. SMEMBERS holders;  ZRANGE jobs 0 -1;  SMEMBERS held:<w> (per holder) -> ids
       2. MULTI
-      3. DEL tasks failed unique deaths delayed deadlines j:<job>... p:<id>...
+      3. DEL high tasks low failed unique deaths delayed deadlines j:<job>... p:<id>...
          ZREM jobs <job>...                             (the ids read: a job submitted
                                                           since is found by the next read)
       4. SREM held:<w> <id>...                                  (per holder)
@@ -508,10 +539,10 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
       7. SMEMBERS holders;  SMEMBERS held:<w>   -> ids: back to 2 with them
       8. `drop_holder` per holder
       9. SREM queues queue
-     10. EXISTS tasks holders                   -> any: SADD queues queue
+     10. EXISTS high tasks low holders          -> any: SADD queues queue
     """
     doomed = [
-        keys.tasks(queue),
+        *keys.levels(queue),
         keys.failed(queue),
         keys.unique(queue),
         keys.deaths(queue),
@@ -573,7 +604,7 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     for worker_id in holders:
         await drop_holder(r, keys, queue, worker_id)
     await reads(r, [("SREM", keys.queues, queue)])  # a wrong-typed registry: check's
-    if await call(r, "EXISTS", keys.tasks(queue), keys.holders(queue)):
+    if await call(r, "EXISTS", *keys.levels(queue), keys.holders(queue)):
         await reads(r, [("SADD", keys.queues, queue)])  # the queue's next life began
 
 
@@ -589,10 +620,11 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
                                                          since): their records stay
       2. MULTI
       3. LTRIM failed <n> -1;  LPUSH failed <record of a live id>...  (order kept)
-      4. RPUSH tasks task...                          (a job: its envelope, attempt 1)
+      4. RPUSH <level> task...                        (a job: its envelope, attempt 1,
+                                                         to its priority's list)
       5. per job: DEL j:<id>;  HSET j:<id> env <envelope> state queued attempts 0
                   max <m> enqueued <e>;  ZADD jobs +inf <id>
-      6. PUBLISH events work:<n>
+      6. PUBLISH events work:<n>                      (work: when not all are normal)
       7. EXEC                                         -> nil: back to 1
       8. SADD queues queue                            (if any moved: after the push)
     """
@@ -602,9 +634,10 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
         records = await read(pipe, "LRANGE", keys.failed(queue), 0, stop)
         if not records:
             return 0
-        await _require(pipe, keys.tasks(queue), "list")  # else the records would be lost
         failed = [(text(record), parse_failed(record)) for record in records]
         lives = [(raw, task, _new_life(task)) for raw, task in failed]
+        for level in {"normal" if env is None else env.header.priority for _, _, env in lives}:
+            await _require(pipe, keys.level(queue, level), "list")  # else records are lost
         ids = [env.header.id for _, _, env in lives if env is not None]
         live: set[str] = set()
         if ids:  # an id submitted anew since is that job's now: its old life waits
@@ -624,15 +657,18 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
         if kept:
             pipe.execute_command("LPUSH", keys.failed(queue), *reversed(kept))
         if moved:
-            pipe.execute_command(
-                "RPUSH",
-                keys.tasks(queue),
-                *(stored(task.task) if env is None else env.raw for task, env in moved),
+            _push_levels(
+                pipe,
+                keys,
+                queue,
+                [
+                    ("normal", stored(task.task)) if env is None else (env.header.priority, env.raw)
+                    for task, env in moved
+                ],
             )
             for _, env in moved:
                 if env is not None:
                     _record_job(pipe, keys, queue, env, "queued")
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(moved))))
         return len(moved)
 
     if limit is not None and limit <= 0:
@@ -641,6 +677,17 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
     if moved:  # after the push, as `enqueue` (a wrong-typed registry: check's)
         await reads(r, [("SADD", keys.queues, queue)])
     return moved
+
+
+def _push_levels(pipe: Pipeline, keys: Keys, queue: str, items: Sequence[tuple[str, Any]]) -> None:
+    """Queue the RPUSH of each (level, stored task) to the back of its level's list, in
+    order within a level, and one ``work`` event (``work:N`` when all are normal)."""
+    for level in LEVELS:
+        tasks = [task for at, task in items if at == level]
+        if tasks:
+            pipe.execute_command("RPUSH", keys.level(queue, level), *tasks)
+    mixed = any(level != "normal" for level, _ in items)
+    pipe.execute_command(*announce(keys, queue, "high" if mixed else "normal", len(items)))
 
 
 def _new_life(task: FailedTask) -> Envelope | None:
@@ -707,13 +754,15 @@ async def publish(r: Client, keys: Keys, queue: str, kind: str, message: str) ->
 async def request_work(r: Client, keys: Keys, queue: str) -> int:
     """Publish ``work`` with the number of waiting tasks, if there are any.
 
-    1. LLEN tasks
-    2. PUBLISH events work:<count>   (if count > 0)
+    1. LLEN high;  LLEN tasks;  LLEN low
+    2. PUBLISH events work:<count>   (if count > 0; a bare work: if not all are normal)
     """
-    waiting = int(await read(r, "LLEN", keys.tasks(queue)))
-    if waiting:
-        await publish(r, keys, queue, "work", str(waiting))
-    return waiting
+    lengths = await reads(r, [("LLEN", level) for level in keys.levels(queue)])
+    _raise_wrong([("LLEN", level) for level in keys.levels(queue)], lengths)
+    high, normal, low = (int(n) for n in lengths)
+    if high or normal or low:
+        await publish(r, keys, queue, "work", "" if high or low else str(normal))
+    return high + normal + low
 
 
 def parse_failed(record: bytes | str) -> FailedTask:
@@ -783,7 +832,8 @@ async def submit(
     of the ids is live (queued, delayed or running) in the queue: `DuplicateTaskError`.
     With ``wait`` (replicas, timeout in ms), return how many replicas confirmed it.
 
-    Keys: j:<id>... (HASH), jobs (ZSET), tasks (LIST), delayed (ZSET); queues.
+    Keys: j:<id>... (HASH), jobs (ZSET), tasks or high or low (LIST: the jobs'
+    priority's, written ``tasks`` below), delayed (ZSET); queues.
       1. (check) WATCH j:<id>...;  ZMSCORE jobs <id>...  -> any +inf: UNWATCH, raise
       2. MULTI
       3. per job: DEL j:<id>;  HSET j:<id> env .. state queued|delayed attempts 0
@@ -805,6 +855,8 @@ async def submit(
     ids = [job.envelope.header.id for job in jobs]
     if len(set(ids)) != len(ids):
         raise DuplicateTaskError("the same job id appears twice in one submit")
+    level = jobs[0].envelope.header.priority  # one submit, one priority
+    pushed_to = keys.level(queue, level)
     ready = [job.envelope.raw for job in jobs if job.due_ms is None]
     later = [job for job in jobs if job.due_ms is not None]
     registers = isinstance(r, Redis)  # one server: the registry joins the transaction
@@ -814,8 +866,8 @@ async def submit(
             state = "queued" if job.due_ms is None else "delayed"
             _record_job(pipe, keys, queue, job.envelope, state, job.due_ms)
         if ready:
-            pipe.execute_command("RPUSH", keys.tasks(queue), *ready)
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(ready))))
+            pipe.execute_command("RPUSH", pushed_to, *ready)
+            pipe.execute_command(*announce(keys, queue, level, len(ready)))
         if later:
             pairs = [part for job in later for part in (job.due_ms, job.envelope.raw)]
             pipe.execute_command("ZADD", keys.delayed(queue), *pairs)
@@ -832,7 +884,7 @@ async def submit(
             pipe,
             [
                 ("ZMSCORE", keys.jobs(queue), *ids),
-                ("TYPE", keys.tasks(queue)),
+                ("TYPE", pushed_to),
                 ("TYPE", keys.delayed(queue)),
             ],
         )
@@ -840,7 +892,7 @@ async def submit(
             await pipe.reset()
             raise _corrupt(keys.jobs(queue))
         for key, kind, found, needed in (
-            (keys.tasks(queue), "list", types[0], ready),
+            (pushed_to, "list", types[0], ready),
             (keys.delayed(queue), "zset", types[1], later),
         ):
             if needed and text(found) not in (kind, "none"):
@@ -880,9 +932,9 @@ async def submit(
             await reads(r, [("DEL", *(keys.job(queue, job_id) for job_id in ids))])
             await reads(r, [("ZREM", keys.jobs(queue), *ids)])
             raise CorruptDataError(
-                f"{keys.tasks(queue)} or {keys.delayed(queue)} is of another type than"
+                f"{pushed_to} or {keys.delayed(queue)} is of another type than"
                 " worqr's layout gives it",
-                keys.tasks(queue),
+                pushed_to,
             )
 
     if wait is None:
@@ -939,9 +991,9 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
          (none due: UNWATCH)
       4. MULTI
       5. ZREM delayed <envelope>...
-      6. RPUSH tasks <envelope>...
+      6. RPUSH <level> <envelope>...                  (each to its priority's list)
       7. HSET j:<id> state queued;  HDEL j:<id> due   (per job)
-      8. PUBLISH events work:<n>
+      8. PUBLISH events work:<n>                      (work: when not all are normal)
       9. EXEC                                         -> nil: back to 1
      10. SADD queues queue
     """
@@ -977,22 +1029,29 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
         if not due:
             await pipe.reset()
             return Promotion(0, next_due, now)
-        await _require(pipe, keys.tasks(queue), "list")
+        levels = [level_of_stored(member) for member in due]
+        for level in set(levels):
+            await _require(pipe, keys.level(queue, level), "list")
         pipe.multi()
         pipe.execute_command("ZREM", keys.delayed(queue), *moving)
-        pipe.execute_command("RPUSH", keys.tasks(queue), *moving)
+        _push_levels(pipe, keys, queue, list(zip(levels, moving, strict=True)))
         for member in due:
             job_id = _job_id(member)
             if job_id is not None:
                 pipe.execute_command("HSET", keys.job(queue, job_id), "state", "queued")
                 pipe.execute_command("HDEL", keys.job(queue, job_id), "due")
-        pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(due))))
         return Promotion(len(due), next_due, now)
 
     done, _ = await _optimistic(r, [keys.delayed(queue)], body)
     if done.moved:
         await reads(r, [("SADD", keys.queues, queue)])
     return done
+
+
+def level_of_stored(task: str) -> str:
+    """The priority level a stored task goes back to: its envelope's, else normal."""
+    envelope = envelope_of(task)
+    return "normal" if envelope is None else envelope.header.priority
 
 
 def _pairs(reply: Any) -> list[tuple[Any, Any]]:
@@ -1092,10 +1151,11 @@ async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int
         if envelope is None:
             return False
         attempts = envelope.header.attempt - 1  # the attempts that ended
-        if text(state) == "queued" and not await _still_queued(pipe, keys.tasks(queue), raw):
+        waits_in = keys.level(queue, envelope.header.priority)
+        if text(state) == "queued" and not await _still_queued(pipe, waits_in, raw):
             attempts += 1  # not in the list: an attempt runs (and counts)
         pipe.multi()
-        pipe.execute_command("LREM", keys.tasks(queue), 0, envelope.raw)
+        pipe.execute_command("LREM", waits_in, 0, envelope.raw)
         pipe.execute_command("ZREM", keys.delayed(queue), envelope.raw)
         pipe.execute_command("HDEL", keys.deaths(queue), f"job:{job_id}")
         _end_job(pipe, keys, queue, envelope.header, now_ms, error=CANCELLED, attempts=attempts)
@@ -1150,11 +1210,30 @@ async def job_record(
     fields = {text(k): text(v) for k, v in pairs}
     queued = True
     if locate and fields.get("state") == "queued" and "env" in fields:
-        queued = await read(r, "LPOS", keys.tasks(queue), fields["env"]) is not None
+        level = level_of_stored(fields["env"])
+        queued = await read(r, "LPOS", keys.level(queue, level), fields["env"]) is not None
     return JobRecord(fields, queued)
 
 
 # -- processes ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Look:
+    """What a dequeue read of a queue besides its tasks: its flow control, and whether
+    its high or low list held tasks (a worker then looks before each take)."""
+
+    flow: Flow
+    leveled: bool
+
+
+NewIds = Callable[[Sequence[str]], list[str]]
+"""Fresh process ids, one per level given (the level goes into the id's token)."""
+
+
+def _lengths(replies: Sequence[Any]) -> dict[str, int]:
+    """The LLEN replies of a queue's levels (highest first) by level."""
+    return {level: int(reply) for level, reply in zip(LEVELS, replies, strict=True)}
 
 
 @redis_boundary
@@ -1167,17 +1246,21 @@ async def dequeue(
     count: int = 1,
     *,
     announced: bool = False,
-    new_ids: Callable[[int], list[str]] | None = None,
-    seen: Callable[[Flow], None] | None = None,
+    new_ids: NewIds | None = None,
+    seen: Callable[[Look], None] | None = None,
+    picker: Picker | None = None,
+    policy: str = "weighted",
 ) -> list[Process]:
-    """Move up to ``count`` tasks from the head of the queue into new processes of
-    this worker, in queue order; an empty list when the queue is empty. Raises
+    """Move up to ``count`` tasks from the heads of the queue's level lists into new
+    processes of this worker, the levels chosen by ``picker`` under ``policy`` (see
+    `_levels`), FIFO within a level; an empty list when the queue is empty. Raises
     `Paused` (nothing taken) while the queue is paused; a queue with a rate limit
     goes through `_dequeue_limited`.
 
-    ``new_ids(k)`` makes k fresh process ids (a worker keeps them known as in flight;
-    by default they are made here); ``seen(flow)`` is told the queue's flow control
-    as read (a worker skips the announced path of a rate-limited queue).
+    ``new_ids(levels)`` makes fresh process ids (a worker keeps them known as in
+    flight; by default they are made here); ``seen(look)`` is told the queue's flow
+    control and levels as read (a worker skips the announced path of a queue that is
+    rate-limited or has tasks of other levels than normal).
     ``once`` is a client whose transactions are never resent (see `_connections`):
     the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each
     id tells whether it took effect: then its processes are adopted. Otherwise it is
@@ -1185,49 +1268,57 @@ async def dequeue(
     on the way (a timeout, a slow link) can still land later, and with the same ids it
     would append a second task to each process list. Processes of an attempt that lands
     late are unknown to the worker, and its audit returns them to the front.
-    Keys: tasks (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET), flow (HASH).
-      1. LLEN tasks;  HMGET flow paused limit per
+    Keys: high, tasks, low (LIST), p:<id>... (LIST), held:<w> (SET), holders (SET),
+    flow (HASH).
+      1. LLEN high;  LLEN tasks;  LLEN low;  HMGET flow paused limit per
                                           -> paused: raise; limited: `_dequeue_limited`;
-                                             0: return (an idle poll: one round trip)
-                                             (skipped when ``announced``: a ``work``
-                                             event just said ``count`` tasks came)
-      2. MULTI                            (k = min(count, length))
-      3. LMOVE tasks p:<idi> LEFT RIGHT   for i = 1..k -> the task, or nil once empty
+                                             all 0: return (an idle poll: one round trip)
+                                             (skipped when ``announced``: a ``work:N``
+                                             event just said N normal tasks came)
+      2. MULTI                            (k slots, each given a level by the picker)
+      3. LMOVE <level> p:<idi> LEFT RIGHT for i = 1..k -> the task, or nil once empty
       4. SADD held:<w> <id1> ... <idk>
       5. SADD holders <w>
       6. HMGET flow paused limit per      -> paused or limited since step 1: what was
                                              taken goes back to the front (`_undo`)
       7. EXEC
-      8. (some LMOVE found the queue empty) SREM held:<w> <unused ids>
+      8. (some LMOVE found its list empty) SREM held:<w> <unused ids>
     The SADD cannot be conditional on the LMOVEs inside MULTI, so ids that got no task
     are withdrawn in step 8; an id left behind by a crash there names no process list
     and goes with the next reclaim.
     """
     if new_ids is None:
 
-        def new_ids(count: int) -> list[str]:
-            return [new_process_id(worker_id, queue).id for _ in range(count)]
+        def new_ids(levels: Sequence[str]) -> list[str]:
+            return [new_process_id(worker_id, queue, level).id for level in levels]
 
     if announced:
-        length = count
+        levels = ["normal"] * count
     else:
-        length, flow_reply = await reads(r, [("LLEN", keys.tasks(queue)), read_flow(keys, queue)])
-        _raise_wrong([("LLEN", keys.tasks(queue))], [length])
-        flow = Flow.parse(flow_reply, keys.flow(queue))
+        replies = await reads(
+            r, [*(("LLEN", key) for key in keys.levels(queue)), read_flow(keys, queue)]
+        )
+        _raise_wrong([("LLEN", key) for key in keys.levels(queue)], replies[:3])
+        lengths = _lengths(replies[:3])
+        flow = Flow.parse(replies[3], keys.flow(queue))
         if seen is not None:
-            seen(flow)
+            seen(Look(flow, bool(lengths["high"] or lengths["low"])))
         if flow.paused:
             raise Paused
         if flow.limit is not None:
-            return await _dequeue_limited(r, once, keys, worker_id, queue, count, new_ids)
-    if not length:
+            return await _dequeue_limited(
+                r, once, keys, worker_id, queue, count, new_ids, picker or Picker(), policy
+            )
+        levels = (picker or Picker()).plan(lengths, count, policy)
+    if not levels:
         return []
     held = keys.held(queue, worker_id)
-    k = min(count, length)
+    k = len(levels)
 
     def take(ids: list[str]) -> list[Command]:
         moves: list[Command] = [
-            ("LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT") for pid in ids
+            ("LMOVE", keys.level(queue, level), keys.process(queue, pid), "LEFT", "RIGHT")
+            for level, pid in zip(levels, ids, strict=True)
         ]
         return [
             *moves,
@@ -1239,7 +1330,7 @@ async def dequeue(
     recorded: Any = 1
     flow_reply = None
     for _ in range(_MAX_ATTEMPTS):
-        ids = new_ids(k)
+        ids = new_ids(levels)
         try:
             replies = await on_slot(once, keys.tasks(queue), _transaction(take(ids)))
             tasks, recorded, flow_reply = replies[:k], replies[k], replies[k + 2]
@@ -1253,29 +1344,38 @@ async def dequeue(
                 break  # the lost EXEC was applied: adopt what it took
     else:
         raise BackendError(f"gave up dequeuing from {queue!r} after {_MAX_ATTEMPTS} tries")
-    # A wrong-typed tasks key fails every LMOVE (nothing taken); a wrong-typed held
+    # A wrong-typed level list fails its LMOVEs (nothing taken); a wrong-typed held
     # set fails the record (the tasks go straight back). holders is the check's.
     found = [task if isinstance(task, str | bytes) else None for task in tasks]
-    taken_ids = [pid for pid, task in zip(ids, found, strict=True) if task]
+    taken_ids = [pid for pid, task in zip(ids, found, strict=True) if task is not None]
     if is_wrong_type(recorded) and taken_ids:
         await _undo(once, keys, queue, taken_ids)
         raise _corrupt(held)
     if len(taken_ids) < len(ids):
         unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
         await reads(r, [("SREM", held, *unused)])
-    if any(is_wrong_type(task) for task in tasks):
-        raise _corrupt(keys.tasks(queue))
+    wrong = [level for level, task in zip(levels, tasks, strict=True) if is_wrong_type(task)]
+    if wrong:
+        if taken_ids:  # the levels that could be read gave tasks: back they go
+            await _undo(once, keys, queue, taken_ids, held)
+        raise _corrupt(keys.level(queue, wrong[0]))
     if flow_reply is None and taken_ids:  # the reply was lost: read the flow now
         (flow_reply,) = await reads(r, [read_flow(keys, queue)])
     if taken_ids:
-        flow = Flow.parse(flow_reply, keys.flow(queue)) if flow_reply is not None else Flow()
+        try:
+            flow = Flow.parse(flow_reply, keys.flow(queue)) if flow_reply is not None else Flow()
+        except CorruptDataError:  # unreadable flow control: hand out nothing
+            await _undo(once, keys, queue, taken_ids, held)
+            raise
         if flow.paused or flow.limit is not None:  # changed since step 1 (or unread)
             if seen is not None:
-                seen(flow)
+                seen(Look(flow, True))
             await _undo(once, keys, queue, taken_ids, held)
             if flow.paused:
                 raise Paused
-            return await _dequeue_limited(r, once, keys, worker_id, queue, count, new_ids)
+            return await _dequeue_limited(
+                r, once, keys, worker_id, queue, count, new_ids, picker or Picker(), policy
+            )
     return [
         as_process(pid, text(task), queue)
         for pid, task in zip(ids, found, strict=True)
@@ -1286,13 +1386,14 @@ async def dequeue(
 async def _undo(
     once: Client, keys: Keys, queue: str, pids: Sequence[str], held: str | None = None
 ) -> None:
-    """Return the tasks of processes just taken to the front of the queue, newest
+    """Return the tasks of processes just taken to the front of their levels, newest
     first (so the queue's order is as before), withdrawing their ids from ``held``
     (without it, they go with the next reclaim, which finds no process list). No
     ``work`` event: the queue is paused or rate-limited, and an announcement would
     only bring its workers back to take and return them again."""
     for pid in reversed(pids):
-        back: Command = ("LMOVE", keys.process(queue, pid), keys.tasks(queue), "RIGHT", "LEFT")
+        level = keys.level(queue, split_process_id(pid).level)
+        back: Command = ("LMOVE", keys.process(queue, pid), level, "RIGHT", "LEFT")
         withdraw: list[Command] = [] if held is None else [("SREM", held, pid)]
         await _atomic(once, keys.tasks(queue), [back, *withdraw])
 
@@ -1304,7 +1405,9 @@ async def _dequeue_limited(
     worker_id: str,
     queue: str,
     count: int,
-    new_ids: Callable[[int], list[str]],
+    new_ids: NewIds,
+    picker: Picker,
+    policy: str,
 ) -> list[Process]:
     """`dequeue` from a rate-limited queue: no ``per`` ms window of the server's clock
     holds more than ``limit`` starts, fleet-wide. Raises `Throttled` (with the wait
@@ -1312,33 +1415,43 @@ async def _dequeue_limited(
 
     WATCH serialises the dequeues of the queue: each one counts the window and records
     its starts in one transaction, so two cannot both take the last start.
-    Keys: starts (ZSET), flow (HASH), tasks, p:<id>..., held:<w>, holders.
+    Keys: starts (ZSET), flow (HASH), high, tasks, low, p:<id>..., held:<w>, holders.
       1. WATCH starts flow
-      2. TIME                                                          -> now
+      2. TIME;  HMGET flow paused limit per           -> paused: raise;  no limit: back
+                                                         to `dequeue`
       3. ZCOUNT starts (<now - per> +inf;  ZRANGE starts (<now - per> +inf BYSCORE
-         LIMIT 0 1 WITHSCORES;  LLEN tasks;  HMGET flow paused limit per
-                           -> paused: raise;  no limit: back to `dequeue`;
-                              none left: UNWATCH, raise `Throttled` (the oldest start
+         LIMIT 0 1 WITHSCORES;  LLEN high;  LLEN tasks;  LLEN low
+                           -> none left: UNWATCH, raise `Throttled` (the oldest start
                               leaves the window at its score + per);  empty: return
-      4. MULTI             (k = min(count, starts left, length))
+      4. MULTI             (k = min(count, starts left, tasks), levels by the picker)
       5. ZREMRANGEBYSCORE starts -inf <now - per>
-      6. LMOVE tasks p:<idi> LEFT RIGHT;  ZADD starts <now> <idi>       for i = 1..k
-      7. SADD held:<w> <ids>;  SADD holders <w>
-      8. EXEC                                                          -> nil: back to 1
-      9. (some LMOVE found the queue empty) SREM held:<w> <unused>;  ZREM starts <unused>
+      6. LMOVE <level> p:<idi> LEFT RIGHT                              for i = 1..k
+      7. ZADD starts <t> <id1> ... <t> <idk>    (t = now + 2 round trips + 5 ms: no
+                                                 earlier than the EXEC can run)
+      8. SADD held:<w> <ids>;  SADD holders <w>
+      9. TIME                                   -> when the EXEC ran
+     10. EXEC                                                          -> nil: back to 1
+     11. (it ran after t: a stall) every task back to the front of its level, SREM
+         held:<w> <ids>;  ZREM starts <ids>;  back to 1
+     12. (some LMOVE found its list empty) SREM held:<w> <unused>;  ZREM starts <unused>
     A lost EXEC reply raises `BackendUnavailableError`: its processes, if it landed,
     are returned by the worker's audit; its starts count until they leave the window.
     """
     starts, held = keys.starts(queue), keys.held(queue, worker_id)
     plain = False
+    levels: list[str] = []
+    stamp = 0  # the score of this attempt's starts: now plus the allowance
 
     async def body(pipe: Pipeline) -> list[str]:
-        nonlocal plain
-        seconds, micros = await call(pipe, "TIME")
-        now = int(text(seconds)) * 1000 + int(text(micros)) // 1000
-        flow_key = keys.flow(queue)
-        raw_flow = await _beside(pipe, [read_flow(keys, queue)])
-        flow = Flow.parse(raw_flow[0], flow_key)
+        nonlocal plain, levels, stamp
+        sent = time.monotonic()
+        clock, raw_flow = await _beside(pipe, [("TIME",), read_flow(keys, queue)])
+        now = int(text(clock[0])) * 1000 + int(text(clock[1])) // 1000
+        # The tasks move at EXEC, two round trips from now: the starts are scored at
+        # the latest time that EXEC may run at (checked by the TIME inside it), never
+        # earlier than they happen, so that no window ever counts one of them short.
+        stamp = now + round(_LAG_ROUND_TRIPS * (time.monotonic() - sent) * 1000) + _LAG_MS
+        flow = Flow.parse(raw_flow, keys.flow(queue))
         if flow.paused or flow.limit is None or flow.per_ms is None:
             await pipe.reset()
             plain = not flow.paused
@@ -1346,53 +1459,70 @@ async def _dequeue_limited(
                 raise Paused
             return []
         floor = now - flow.per_ms
-        used, oldest, length = await _beside(
-            pipe,
-            [
-                ("ZCOUNT", starts, f"({floor}", "+inf"),
-                ("ZRANGE", starts, f"({floor}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
-                ("LLEN", keys.tasks(queue)),
-            ],
-        )
-        _raise_wrong(
-            [("ZCOUNT", starts), ("ZRANGE", starts), ("LLEN", keys.tasks(queue))],
-            [used, oldest, length],
-        )
+        lists: list[Command] = [("LLEN", key) for key in keys.levels(queue)]
+        window: list[Command] = [
+            ("ZCOUNT", starts, f"({floor}", "+inf"),
+            ("ZRANGE", starts, f"({floor}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
+        ]
+        replies = await _beside(pipe, [*window, *lists])
+        _raise_wrong([*window, *lists], replies)
+        used, oldest = replies[:2]
         room = flow.limit - int(used)
         if room <= 0:
             await pipe.reset()
             first = _pairs(oldest)
             leaves = (_ms(first[0][1]) or now) + flow.per_ms if first else now + 1
             raise Throttled(max(leaves - now, 1) / 1000)
-        k = min(count, room, int(length))
-        if k <= 0:
+        levels = picker.plan(_lengths(replies[2:]), min(count, room), policy)
+        if not levels:
             await pipe.reset()
             return []
-        ids = new_ids(k)
+        ids = new_ids(levels)
         pipe.multi()
         pipe.execute_command("ZREMRANGEBYSCORE", starts, "-inf", floor)
-        for pid in ids:
+        for level, pid in zip(levels, ids, strict=True):
             pipe.execute_command(
-                "LMOVE", keys.tasks(queue), keys.process(queue, pid), "LEFT", "RIGHT"
+                "LMOVE", keys.level(queue, level), keys.process(queue, pid), "LEFT", "RIGHT"
             )
-        pipe.execute_command("ZADD", starts, *(part for pid in ids for part in (now, pid)))
+        pipe.execute_command("ZADD", starts, *(part for pid in ids for part in (stamp, pid)))
         pipe.execute_command("SADD", held, *ids)
         pipe.execute_command("SADD", keys.holders(queue), worker_id)
+        pipe.execute_command("TIME")
         return ids
 
-    ids, replies = await _optimistic(r, [starts, keys.flow(queue)], body)
-    if plain:
-        return await dequeue(r, once, keys, worker_id, queue, count, new_ids=new_ids)
-    if not ids:
-        return []
-    tasks = replies[1 : 1 + len(ids)]
-    found = [task if isinstance(task, str | bytes) else None for task in tasks]
-    unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
-    if unused:
-        await reads(r, [("SREM", held, *unused), ("ZREM", starts, *unused)])
-    if is_wrong_type(replies[-2]):  # the held set: what was taken goes straight back
-        await _undo(once, keys, queue, [pid for pid, task in zip(ids, found, strict=True) if task])
-        raise _corrupt(held)
+    for _ in range(_LATE_TRIES):
+        ids, replies = await _optimistic(r, [starts, keys.flow(queue)], body)
+        if plain:
+            return await dequeue(
+                r,
+                once,
+                keys,
+                worker_id,
+                queue,
+                count,
+                new_ids=new_ids,
+                picker=picker,
+                policy=policy,
+            )
+        if not ids:
+            return []
+        tasks = replies[1 : 1 + len(ids)]
+        found = [task if isinstance(task, str | bytes) else None for task in tasks]
+        taken = [pid for pid, task in zip(ids, found, strict=True) if task is not None]
+        unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
+        ran = int(text(replies[-1][0])) * 1000 + int(text(replies[-1][1])) // 1000
+        if ran > stamp:  # EXEC ran later than its starts say (a stall): none of them counts
+            await _undo(once, keys, queue, taken, held)
+            await reads(r, [("SREM", held, *ids), ("ZREM", starts, *ids)])
+            continue
+        if unused:
+            await reads(r, [("SREM", held, *unused), ("ZREM", starts, *unused)])
+        if is_wrong_type(replies[-3]):  # the held set: what was taken goes straight back
+            await _undo(once, keys, queue, taken)
+            raise _corrupt(held)
+        break
+    else:
+        raise BackendError(f"dequeues from {queue!r} keep running late for its rate limit")
     return [
         as_process(pid, text(task), queue)
         for pid, task in zip(ids, found, strict=True)
@@ -1419,10 +1549,11 @@ def as_process(pid: str, task: str, queue: str) -> Process:
 
 
 def _back_to_front(keys: Keys, queue: str, pid: str) -> list[Command]:
-    """The commands that return a process's task to the front of its queue."""
+    """The commands that return a process's task to the front of its level's list."""
+    level = split_process_id(pid).level
     return [
-        ("LMOVE", keys.process(queue, pid), keys.tasks(queue), "RIGHT", "LEFT"),
-        ("PUBLISH", keys.events(queue), event("work", "1")),
+        ("LMOVE", keys.process(queue, pid), keys.level(queue, level), "RIGHT", "LEFT"),
+        announce(keys, queue, level, 1),
     ]
 
 
@@ -1860,9 +1991,11 @@ async def fail(
         due = now + round(wait * 1000)
         fields: list[str | int] = ["env", again, "attempts", header.attempt, "error", error]
 
+        back_to = keys.level(queue, header.priority)
+
         def at_once(pipe: Pipeline) -> None:
-            pipe.execute_command("RPUSH", keys.tasks(queue), again)
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
+            pipe.execute_command("RPUSH", back_to, again)
+            pipe.execute_command(*announce(keys, queue, header.priority, 1))
             pipe.execute_command("HSET", job, *fields, "state", "queued")
             pipe.execute_command("HDEL", job, "due")
 
@@ -1872,12 +2005,12 @@ async def fail(
             pipe.execute_command("PUBLISH", keys.events(queue), event("delayed", str(due)))
 
         if wait <= 0:
-            return Ending(((keys.tasks(queue), "list"),), at_once)
+            return Ending(((back_to, "list"),), at_once)
         return Ending(((keys.delayed(queue), "zset"),), later)
 
     checks = [(keys.failed(queue), "list")]
     if known is None or envelope_of(known) is not None:
-        checks += [(keys.tasks(queue), "list"), (keys.delayed(queue), "zset")]
+        checks += [(key, "list") for key in keys.levels(queue)] + [(keys.delayed(queue), "zset")]
     return await _end_process(r, keys, ref, plan, known=known, checks=checks)
 
 
@@ -1911,8 +2044,9 @@ async def stop(
                <id>;  ZREM deadlines <id>;  EXEC
             -> else the block below under that WATCH (EXEC nil: back to WATCH)
 
-    Keys: p:<id> (LIST), tasks (LIST), held:<w> (SET), deadlines (ZSET). No WATCH:
-    LMOVE from a missing list is a no-op, so a late stop changes nothing.
+    Keys: p:<id> (LIST), tasks (LIST: the list of the level in the id), held:<w>
+    (SET), deadlines (ZSET). No WATCH: LMOVE from a missing list is a no-op, so a late
+    stop changes nothing.
       1. MULTI
       2. LMOVE p:<id> tasks RIGHT LEFT   -> the task, or nil (process gone)
       3. SREM held:<w> <id>
@@ -1923,22 +2057,20 @@ async def stop(
     queue = ref.queue
     if job_id is not None or look:
         return await _stop_job(once, keys, ref, job_id)
+    back_to = keys.level(queue, ref.level)
     task, _, _, _ = await _atomic(
         once,
         keys.tasks(queue),
         [
-            ("LMOVE", keys.process(queue, ref.id), keys.tasks(queue), "RIGHT", "LEFT"),
+            ("LMOVE", keys.process(queue, ref.id), back_to, "RIGHT", "LEFT"),
             ("SREM", keys.held(queue, ref.worker_id), ref.id),
             ("ZREM", keys.deadlines(queue), ref.id),
-            ("PUBLISH", keys.events(queue), event("work", "1")),
+            announce(keys, queue, ref.level, 1),
         ],
     )
     if is_wrong_type(task):  # the task stays in its process list: keep it recorded
         await reads(once, [("SADD", keys.held(queue, ref.worker_id), ref.id)])
-        raise CorruptDataError(
-            f"{keys.tasks(queue)} or {keys.process(queue, ref.id)} is not a list",
-            keys.tasks(queue),
-        )
+        raise CorruptDataError(f"{back_to} or {keys.process(queue, ref.id)} is not a list", back_to)
     return None if task is None else text(task)
 
 
@@ -1948,6 +2080,7 @@ async def _stop_job(once: Client, keys: Keys, ref: ProcessRef, job_id: str | Non
     no ``job_id``, the process's task says whether it is a job."""
     queue = ref.queue
     proc = keys.process(queue, ref.id)
+    back_to = keys.level(queue, ref.level)
 
     async def body(pipe: Pipeline) -> tuple[bool, str | None]:
         raw = await read(pipe, "LINDEX", proc, 0)
@@ -1959,8 +2092,8 @@ async def _stop_job(once: Client, keys: Keys, ref: ProcessRef, job_id: str | Non
             pipe.execute_command("DEL", proc)
             pipe.execute_command("HDEL", keys.deaths(queue), f"job:{found}")
         else:
-            pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", "1"))
+            pipe.execute_command("LMOVE", proc, back_to, "RIGHT", "LEFT")
+            pipe.execute_command(*announce(keys, queue, ref.level, 1))
         pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
         pipe.execute_command("ZREM", keys.deadlines(queue), ref.id)
         return ended, found
@@ -1971,7 +2104,7 @@ async def _stop_job(once: Client, keys: Keys, ref: ProcessRef, job_id: str | Non
     task = replies[0]
     if is_wrong_type(task):  # the task stays in its process list: keep it recorded
         await reads(once, [("SADD", keys.held(queue, ref.worker_id), ref.id)])
-        raise CorruptDataError(f"{keys.tasks(queue)} or {proc} is not a list", keys.tasks(queue))
+        raise CorruptDataError(f"{back_to} or {proc} is not a list", back_to)
     return None if task is None else text(task)
 
 
@@ -2016,7 +2149,8 @@ async def reclaim(
       4. per id, newest first, a job that ended meanwhile (cancelled while it ran):
            DEL p:<id>;  HDEL deaths job:<job>
          else:
-           LMOVE p:<id> tasks RIGHT LEFT;  (quarantine) HINCRBY deaths <sha1> 1
+           LMOVE p:<id> <level> RIGHT LEFT;  (quarantine) HINCRBY deaths <sha1> 1
+                                            (the level in the id: high, tasks or low)
          or, for a task at its limit:
            DEL p:<id>;  RPUSH failed <record>;  HDEL deaths <sha1>;  SREM unique task
            (a job: instead of the SREM, the writes of `_end_job` and PUBLISH done)
@@ -2032,12 +2166,14 @@ async def reclaim(
     async def body(pipe: Pipeline) -> list[tuple[str, str | None, int]]:
         ids = sorted(members(await read(pipe, "SMEMBERS", held)), key=_token, reverse=True)
         if ids:  # the LMOVEs must not fail inside MULTI, nor the quarantine's RPUSH
-            await _require(pipe, keys.tasks(queue), "list")
+            for level in sorted({split_process_id(pid).level for pid in ids}):
+                await _require(pipe, keys.level(queue, level), "list")
             if quarantine_after:
                 await _require(pipe, keys.failed(queue), "list")
         counts = await _death_counts(pipe, keys, queue, ids, with_counts=bool(quarantine_after))
         ended = await _ended_jobs(pipe, keys, queue, [task for task, _ in counts.values()])
         plan: list[tuple[str, str | None, int]] = []  # what each group of replies is
+        leveled = False  # a task went back to another level than normal
         pipe.multi()
         for pid in ids:
             proc = keys.process(queue, pid)
@@ -2074,8 +2210,10 @@ async def reclaim(
                     pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
                 plan.append(("quarantined", task, len(pipe.command_stack) - before))
                 continue
-            pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
+            level = split_process_id(pid).level
+            pipe.execute_command("LMOVE", proc, keys.level(queue, level), "RIGHT", "LEFT")
             plan.append(("returned", None, 1))
+            leveled = leveled or level != "normal"
             if task is not None and quarantine_after:
                 pipe.execute_command("HINCRBY", keys.deaths(queue), death_field(task), 1)
                 plan.append(("counted", None, 1))
@@ -2087,7 +2225,7 @@ async def reclaim(
         pipe.execute_command("SREM", keys.holders(queue), worker_id)
         back = sum(kind == "returned" for kind, _, _ in plan)
         if back:
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(back)))
+            pipe.execute_command(*announce(keys, queue, "high" if leveled else "normal", back))
         return plan
 
     plan, replies = await _optimistic(r, [held], body)
@@ -2249,7 +2387,9 @@ async def heartbeat(r: Client, keys: Keys, worker_id: str, timeout_ms: int) -> b
 
 
 @redis_boundary
-async def start_work(r: Client, keys: Keys, worker_id: str, queue: str) -> tuple[int, str | None]:
+async def start_work(
+    r: Client, keys: Keys, worker_id: str, queue: str
+) -> tuple[int, str | None, str]:
     """Record that a worker works on a queue; return how many tasks wait in it (0 when
     the tasks key is of the wrong type: the consumer's dequeues then report it) and
     the time of the queue's last deletion in the last hour (see `deletions`).
@@ -2258,7 +2398,9 @@ async def start_work(r: Client, keys: Keys, worker_id: str, queue: str) -> tuple
     worker working on the queue unregisters it before this SADD re-registers it.
       1. SADD w:queues queue
       2. SADD queues queue;  ZSCORE deleted queue
-      3. LLEN tasks
+      3. LLEN high;  LLEN tasks;  LLEN low
+    The work to announce is ``work:N`` when only normal tasks wait, else a bare
+    ``work:`` (a look: see `announce`), as the returned ``(count, deleted, message)``.
     """
     own: list[Command] = [("SADD", keys.worker_queues(worker_id), queue)]
     replies = await _in_order(
@@ -2267,12 +2409,13 @@ async def start_work(r: Client, keys: Keys, worker_id: str, queue: str) -> tuple
             (keys.worker_queues(worker_id), own),
             (keys.queues, [("SADD", keys.queues, queue)]),
             (keys.deletions, [("ZSCORE", keys.deletions, queue)]),
-            (keys.tasks(queue), [("LLEN", keys.tasks(queue))]),
+            (keys.tasks(queue), [("LLEN", key) for key in keys.levels(queue)]),
         ],
     )
     _raise_wrong(own, replies)
-    _, deleted, waiting = replies[1:]
-    return 0 if is_wrong_type(waiting) else int(waiting), _score(deleted)
+    deleted = replies[2]
+    high, normal, low = (0 if is_wrong_type(n) else int(n) for n in replies[3:])
+    return high + normal + low, _score(deleted), "" if high or low else str(normal)
 
 
 def _score(reply: Any) -> str | None:
@@ -2410,7 +2553,7 @@ async def scan(r: Client, keys: Keys, now_ms: int | None = None) -> Scan:
     follows the queues in use, not every queue ever used.
     With ``now_ms`` (server time) it also lists processes past their deadline.
       1. SMEMBERS workers;  SMEMBERS queues
-      2. SMEMBERS holders;  EXISTS tasks failed delayed       (per queue)
+      2. SMEMBERS holders;  EXISTS high tasks low failed delayed       (per queue)
          (now_ms) ZRANGE deadlines -inf <now> BYSCORE LIMIT 0 100
          SMEMBERS w:queues                          (per listed worker)   one round trip
       3. EXISTS alive                               (per candidate, one round trip)
@@ -2423,7 +2566,7 @@ async def scan(r: Client, keys: Keys, now_ms: int | None = None) -> Scan:
     for queue in queues:
         second += [
             ("SMEMBERS", keys.holders(queue)),
-            ("EXISTS", keys.tasks(queue), keys.failed(queue), keys.delayed(queue)),
+            ("EXISTS", *keys.levels(queue), keys.failed(queue), keys.delayed(queue)),
         ]
         if now_ms is not None:
             second.append(
@@ -2532,6 +2675,8 @@ class QueueLook:
     wrong type, so nothing is known of them)."""
     next_due: int | None
     """The earliest due time in the delayed set (Unix ms), None for none."""
+    leveled: bool = False
+    """Tasks wait at another level than normal."""
 
 
 @redis_boundary
@@ -2545,24 +2690,30 @@ async def touch_worker(
     Re-adding is idempotent and heals an entry a racing peer removed just after
     this worker re-registered.
       1. SADD workers <w>;  SADD w:queues queue...
-      2. LLEN tasks;  SMEMBERS held:<w>;  ZRANGE delayed 0 0 WITHSCORES  (per queue)
+      2. LLEN high;  LLEN tasks;  LLEN low;  SMEMBERS held:<w>
+         ZRANGE delayed 0 0 WITHSCORES                                  (per queue)
     """
     commands: list[Command] = [("SADD", keys.workers, worker_id)]
     if queues:
         commands.append(("SADD", keys.worker_queues(worker_id), *queues))
     for queue in queues:
-        commands.append(("LLEN", keys.tasks(queue)))
+        commands += [("LLEN", key) for key in keys.levels(queue)]
         commands.append(("SMEMBERS", keys.held(queue, worker_id)))
         commands.append(("ZRANGE", keys.delayed(queue), 0, 0, "WITHSCORES"))
     per_queue = (await reads(r, commands))[2 if queues else 1 :]
-    return [
-        QueueLook(
-            0 if is_wrong_type(waiting) else int(waiting),
-            None if is_wrong_type(held) else members(held),
-            _first_due(due),
+    looks = []
+    for i in range(len(queues)):
+        high, normal, low, held, due = per_queue[5 * i : 5 * i + 5]
+        high, normal, low = (0 if is_wrong_type(n) else int(n) for n in (high, normal, low))
+        looks.append(
+            QueueLook(
+                high + normal + low,
+                None if is_wrong_type(held) else members(held),
+                _first_due(due),
+                bool(high or low),
+            )
         )
-        for waiting, held, due in zip(per_queue[::3], per_queue[1::3], per_queue[2::3], strict=True)
-    ]
+    return looks
 
 
 def _first_due(reply: Any) -> int | None:
@@ -2606,9 +2757,11 @@ async def return_orphan(r: Client, keys: Keys, queue: str, process_id: str) -> i
     """
     proc = keys.process(queue, process_id)
     try:
-        held = keys.held(queue, parse_process_id(process_id).worker_id)
+        ref = parse_process_id(process_id)
+        held, level = keys.held(queue, ref.worker_id), ref.level
     except InvalidProcessIdError:  # an id worqr never gave out: no worker records it
-        held = None
+        held, level = None, "normal"
+    back_to = keys.level(queue, level)
 
     async def body(pipe: Pipeline) -> int:
         if held is not None and await read(pipe, "SISMEMBER", held, process_id):
@@ -2617,19 +2770,19 @@ async def return_orphan(r: Client, keys: Keys, queue: str, process_id: str) -> i
         tasks = [text(task) for task in await read(pipe, "LRANGE", proc, 0, -1)]
         ended = [await _life_ended(pipe, keys, queue, task) for task in tasks]
         if not any(ended):
-            return await _move_back(pipe, keys, queue, proc, keep=0)
+            return await _move_back(pipe, keys, queue, proc, level, keep=0)
         back = [stored(task) for task, over in zip(tasks, ended, strict=True) if not over]
-        await _require(pipe, keys.tasks(queue), "list")  # else DEL would lose the others
+        await _require(pipe, back_to, "list")  # else DEL would lose the others
         pipe.multi()
         pipe.execute_command("DEL", proc)
         if back:
-            pipe.execute_command("LPUSH", keys.tasks(queue), *reversed(back))
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(back))))
+            pipe.execute_command("LPUSH", back_to, *reversed(back))
+            pipe.execute_command(*announce(keys, queue, level, len(back)))
         return len(back)
 
     moved, replies = await _optimistic(r, [proc] if held is None else [proc, held], body)
     if replies and is_wrong_type(replies[0]):  # nothing moved: the task stays where it was
-        raise _corrupt(keys.tasks(queue))
+        raise _corrupt(back_to)
     return moved
 
 
@@ -2645,13 +2798,14 @@ async def trim_process(r: Client, keys: Keys, queue: str, process_id: str) -> in
       5. EXEC                                              -> nil: back to 1
     """
     proc = keys.process(queue, process_id)
+    level = split_process_id(process_id).level
 
     async def body(pipe: Pipeline) -> int:
-        return await _move_back(pipe, keys, queue, proc, keep=1)
+        return await _move_back(pipe, keys, queue, proc, level, keep=1)
 
     moved, replies = await _optimistic(r, [proc], body)
     if replies and is_wrong_type(replies[0]):  # nothing moved: the tasks stay where they were
-        raise _corrupt(keys.tasks(queue))
+        raise _corrupt(keys.level(queue, level))
     return moved
 
 
@@ -2666,17 +2820,19 @@ async def _life_ended(pipe: Pipeline, keys: Keys, queue: str, task: str) -> bool
     return _says_ended(await read(pipe, "HMGET", record, "state", "env"), envelope.raw)
 
 
-async def _move_back(pipe: Pipeline, keys: Keys, queue: str, proc: str, *, keep: int) -> int:
+async def _move_back(
+    pipe: Pipeline, keys: Keys, queue: str, proc: str, level: str, *, keep: int
+) -> int:
     """In a WATCHed pipeline: queue moving all but the first ``keep`` tasks of a process
-    list to the front of the queue, newest first (so their order is kept)."""
+    list to the front of ``level``'s list, newest first (so their order is kept)."""
     count = int(await read(pipe, "LLEN", proc)) - keep
     if count <= 0:
         await pipe.reset()
         return 0
     pipe.multi()
     for _ in range(count):
-        pipe.execute_command("LMOVE", proc, keys.tasks(queue), "RIGHT", "LEFT")
-    pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(count)))
+        pipe.execute_command("LMOVE", proc, keys.level(queue, level), "RIGHT", "LEFT")
+    pipe.execute_command(*announce(keys, queue, level, count))
     return count
 
 
@@ -2837,8 +2993,9 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
     WATCH covers the task list and the delayed set too: every move of an envelope
     between a process list and them (dequeue, stop, reclaim, promotion) writes one of
     them, so an envelope cannot slip past the looks below while they run.
-      1. WATCH j:<id> tasks delayed;  HMGET j:<id> state env   -> not live: UNWATCH, False
-      2. LPOS tasks <env>;  ZSCORE delayed <env>    -> any: UNWATCH, False
+      1. WATCH j:<id> high tasks low delayed;  HMGET j:<id> state env
+                                                    -> not live: UNWATCH, False
+      2. LPOS <its level> <env>;  ZSCORE delayed <env>    -> any: UNWATCH, False
       3. SMEMBERS holders;  SMEMBERS held:<w>;  LINDEX p:<id> 0   -> <env>: UNWATCH, False
       4. MULTI;  the writes of `_end_job`;  PUBLISH done done:[{...}];  EXEC
     """
@@ -2850,7 +3007,8 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
         if state is None or text(state) not in ("queued", "delayed") or envelope is None:
             return False
         env = envelope.raw
-        if await read(pipe, "LPOS", keys.tasks(queue), env) is not None:
+        waits_in = keys.level(queue, envelope.header.priority)
+        if await read(pipe, "LPOS", waits_in, env) is not None:
             return False
         if await read(pipe, "ZSCORE", keys.delayed(queue), env) is not None:
             return False
@@ -2866,7 +3024,8 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
         pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
         return True
 
-    ended, _ = await _optimistic(r, [record, keys.tasks(queue), keys.delayed(queue)], body)
+    watched = [record, *keys.levels(queue), keys.delayed(queue)]
+    ended, _ = await _optimistic(r, watched, body)
     return ended
 
 
@@ -2967,8 +3126,8 @@ async def queue_table(r: Client, keys: Keys, queues: Sequence[str] | None = None
     flow hash of the wrong type: neither paused nor limited).
 
     1. SMEMBERS queues (without ``queues``);  SMEMBERS workers
-    2. LLEN tasks;  LLEN failed;  SMEMBERS holders;  ZCARD delayed
-       HMGET flow paused limit per                  (per queue)
+    2. LLEN high;  LLEN tasks;  LLEN low;  LLEN failed;  SMEMBERS holders
+       ZCARD delayed;  HMGET flow paused limit per  (per queue)
        SMEMBERS w:queues                            (per worker)
     3. SCARD held:<w>                               (per queue and holder)
     """
@@ -2981,7 +3140,7 @@ async def queue_table(r: Client, keys: Keys, queues: Sequence[str] | None = None
     second: list[Command] = []
     for queue in names:
         second += [
-            ("LLEN", keys.tasks(queue)),
+            *(("LLEN", key) for key in keys.levels(queue)),
             ("LLEN", keys.failed(queue)),
             ("SMEMBERS", keys.holders(queue)),
             ("ZCARD", keys.delayed(queue)),
@@ -2989,13 +3148,15 @@ async def queue_table(r: Client, keys: Keys, queues: Sequence[str] | None = None
         ]
     second += [("SMEMBERS", keys.worker_queues(w)) for w in worker_ids]
     counts = await reads(r, second)
-    per_queue = counts[: 5 * len(names)]
+    per_queue = counts[: _ROW * len(names)]
     worked: dict[str, int] = {}
-    for reply in counts[5 * len(names) :]:
+    for reply in counts[_ROW * len(names) :]:
         for queue in members(reply):
             worked[queue] = worked.get(queue, 0) + 1
     pairs = [
-        (q, w) for q, holders in zip(names, per_queue[2::5], strict=True) for w in members(holders)
+        (q, w)
+        for q, holders in zip(names, per_queue[4::_ROW], strict=True)
+        for w in members(holders)
     ]
     sizes = await reads(r, [("SCARD", keys.held(q, w)) for q, w in pairs])
     in_process: dict[str, int] = {}
@@ -3003,7 +3164,7 @@ async def queue_table(r: Client, keys: Keys, queues: Sequence[str] | None = None
         in_process[queue] = in_process.get(queue, 0) + _count(size)
     rows = []
     for i, queue in enumerate(names):
-        queued, failed, _, delayed, flow_reply = per_queue[5 * i : 5 * i + 5]
+        high, normal, low, failed, _, delayed, flow_reply = per_queue[_ROW * i : _ROW * (i + 1)]
         try:
             flow = Flow.parse(flow_reply, keys.flow(queue))
         except CorruptDataError:
@@ -3011,12 +3172,13 @@ async def queue_table(r: Client, keys: Keys, queues: Sequence[str] | None = None
         rows.append(
             QueueRow(
                 queue,
-                _count(queued),
+                _count(high) + _count(normal) + _count(low),
                 in_process.get(queue, 0),
                 _count(failed),
                 worked.get(queue, 0),
                 _count(delayed),
                 flow,
+                {"high": _count(high), "normal": _count(normal), "low": _count(low)},
             )
         )
     return rows
@@ -3033,3 +3195,8 @@ class QueueRow:
     workers: int
     delayed: int
     flow: Flow
+    levels: dict[str, int]
+    """Queued tasks per priority level."""
+
+
+_ROW = 7  # the replies `queue_table` reads per queue

@@ -12,9 +12,9 @@ from ._ops import Client, Command, _transaction, event, read
 
 
 async def _write(r: Client, keys: Keys, queue: str, commands: list[Command]) -> list[Any]:
-    """Run flow writes and a ``work:`` event (workers look at the queue again) in one
+    """Run flow writes and a ``flow:`` event (workers look at the queue again) in one
     transaction on the queue's server: safe to resend, they are idempotent."""
-    wake: Command = ("PUBLISH", keys.events(queue), event("work"))
+    wake: Command = ("PUBLISH", keys.events(queue), event("flow"))
     return await on_slot(r, keys.flow(queue), _transaction([*commands, wake]))
 
 
@@ -22,7 +22,7 @@ async def _write(r: Client, keys: Keys, queue: str, commands: list[Command]) -> 
 async def pause(r: Client, keys: Keys, queue: str) -> bool:
     """Pause a queue; whether it was running.
 
-    1. MULTI;  HSET flow paused 1;  PUBLISH events work:;  EXEC
+    1. MULTI;  HSET flow paused 1;  PUBLISH events flow:;  EXEC
     """
     replies = await _write(r, keys, queue, [("HSET", keys.flow(queue), "paused", 1)])
     _refuse_wrong(replies, keys.flow(queue))
@@ -34,7 +34,7 @@ async def resume(r: Client, keys: Keys, queue: str) -> bool:
     """Resume a paused queue; whether it was paused. The ``work:`` event wakes the
     workers that wait on it.
 
-    1. MULTI;  HDEL flow paused;  PUBLISH events work:;  EXEC
+    1. MULTI;  HDEL flow paused;  PUBLISH events flow:;  EXEC
     """
     replies = await _write(r, keys, queue, [("HDEL", keys.flow(queue), "paused")])
     _refuse_wrong(replies, keys.flow(queue))
@@ -47,7 +47,7 @@ async def set_rate_limit(r: Client, keys: Keys, queue: str, limit: int | None, p
     window's record of starts; a new limit counts the starts already recorded.
 
     1. MULTI;  HSET flow limit <limit> per <ms>    (or: HDEL flow limit per;  DEL starts)
-       PUBLISH events work:;  EXEC
+       PUBLISH events flow:;  EXEC
     """
     flow = keys.flow(queue)
     commands: list[Command] = (

@@ -13,28 +13,26 @@ from typing import Any
 
 from redis.asyncio.client import Pipeline
 
-from ._connections import on_slot
 from ._envelope import Envelope
 from ._errors import CorruptDataError, is_wrong_type, redis_boundary
 from ._keys import Keys
 from ._ops import (
     Client,
-    Command,
     _beside,
     _corrupt,
     _optimistic,
     _pairs,
     _raise_wrong,
     _record_job,
-    _transaction,
     call,
     event,
     live_score,
     members,
+    read,
     reads,
     text,
 )
-from ._schedules import MAX_MISFIRED, MISFIRE_GRACE_MS, Definition
+from ._schedules import MAX_MISFIRED, Definition
 
 SCHEDULE_EVENT = "schedule"
 """The event (``schedule:<name>``) telling a queue's workers that one of its
@@ -53,26 +51,62 @@ async def _server_ms(pipe: Pipeline) -> int:
 
 
 @redis_boundary
-async def store(r: Client, keys: Keys, queue: str, name: str, definition: Definition) -> bool:
+async def claim(r: Client, keys: Keys, name: str, queue: str | None) -> str | None:
+    """Point the registry entry of a schedule at ``queue`` (None: remove it); return
+    the queue it named before. The registry decides which queue's copy of a schedule
+    is its own: a copy elsewhere is an orphan, which `fire` removes instead of firing.
+
+      1. WATCH <prefix>:schedules;  HGET <prefix>:schedules <name>     -> before
+      2. MULTI;  HSET <prefix>:schedules <name> <queue> (or HDEL);  EXEC  -> nil: back to 1
+    """
+
+    async def body(pipe: Pipeline) -> str | None:
+        found = await read(pipe, "HGET", keys.schedules, name)
+        pipe.multi()
+        if queue is None:
+            pipe.execute_command("HDEL", keys.schedules, name)
+        else:
+            pipe.execute_command("HSET", keys.schedules, name, queue)
+        return None if found is None else text(found)
+
+    before, _ = await _optimistic(r, [keys.schedules], body)
+    return before
+
+
+@redis_boundary
+async def store(
+    r: Client,
+    keys: Keys,
+    queue: str,
+    name: str,
+    definition: Definition,
+    carried: dict[str, str] | None = None,
+) -> bool:
     """Store a schedule in its queue (replacing its definition, keeping its record of
-    ticks); whether anything changed. A new definition counts ticks from now on.
+    ticks); whether anything changed. A new definition counts ticks from now on; one
+    ``carried`` over from another queue (its record as `drop` returned it) counts them
+    from that queue's latest tick, so that a move neither repeats nor skips one.
 
       1. WATCH s:<name>;  HGET s:<name> def     -> the same: UNWATCH, return False
       2. TIME                                   -> now
-      3. MULTI;  HSET s:<name> def <json> since <now>;  SADD schedules <name>
+      3. MULTI;  HSET s:<name> def <json> since <now or the carried last tick>
+         [last <the carried last tick> job .. skipped ..];  SADD schedules <name>
          PUBLISH events schedule:<name>;  EXEC  -> nil: back to 1
-      4. HSET <prefix>:schedules <name> <queue>       (the registry: its own slot)
     """
     key, raw = keys.schedule(queue, name), definition.dumps()
+    kept: dict[str, str] = {
+        f: carried[f] for f in ("last", "job", "skipped") if carried and f in carried
+    }
 
     async def body(pipe: Pipeline) -> bool:
         (found,) = await _beside(pipe, [("HGET", key, "def")])
         _raise_wrong([("HGET", key)], [found])
-        if found is not None and text(found) == raw:
+        if found is not None and text(found) == raw and not kept:
             return False
         now = await _server_ms(pipe)
+        since = kept.get("last") or (carried or {}).get("since") or now
         pipe.multi()
-        pipe.execute_command("HSET", key, "def", raw, "since", now)
+        pipe.execute_command("HSET", key, "def", raw, "since", since, *_flat(kept))
         pipe.execute_command("SADD", keys.queue_schedules(queue), name)
         pipe.execute_command("PUBLISH", keys.events(queue), event(SCHEDULE_EVENT, name))
         return True
@@ -80,23 +114,35 @@ async def store(r: Client, keys: Keys, queue: str, name: str, definition: Defini
     changed, replies = await _optimistic(r, [key], body)
     if any(is_wrong_type(reply) for reply in replies):
         raise _corrupt(keys.queue_schedules(queue))
-    await reads(r, [("HSET", keys.schedules, name, queue)])
     return changed
 
 
-@redis_boundary
-async def drop(r: Client, keys: Keys, queue: str, name: str) -> bool:
-    """Remove a schedule from its queue; whether it was there.
+def _flat(fields: dict[str, str]) -> list[str]:
+    return [part for pair in fields.items() for part in pair]
 
-    1. MULTI;  DEL s:<name>;  SREM schedules <name>;  PUBLISH events schedule:<name>;  EXEC
+
+@redis_boundary
+async def drop(r: Client, keys: Keys, queue: str, name: str) -> dict[str, str] | None:
+    """Remove a schedule's copy from a queue; its record as it was (None if there was
+    none), read in the same transaction, so that a tick fired just before is in it.
+
+      1. WATCH s:<name>;  HGETALL s:<name>      -> empty: UNWATCH (still SREM)
+      2. MULTI;  DEL s:<name>;  SREM schedules <name>;  PUBLISH events schedule:<name>
+         EXEC                                   -> nil: back to 1
     """
-    commands: list[Command] = [
-        ("DEL", keys.schedule(queue, name)),
-        ("SREM", keys.queue_schedules(queue), name),
-        ("PUBLISH", keys.events(queue), event(SCHEDULE_EVENT, name)),
-    ]
-    replies = await on_slot(r, keys.schedule(queue, name), _transaction(commands))
-    return bool(replies[0])
+    key = keys.schedule(queue, name)
+
+    async def body(pipe: Pipeline) -> dict[str, str] | None:
+        (raw,) = await _beside(pipe, [("HGETALL", key)])
+        state = None if is_wrong_type(raw) or not raw else _fields(raw)
+        pipe.multi()
+        pipe.execute_command("DEL", key)
+        pipe.execute_command("SREM", keys.queue_schedules(queue), name)
+        pipe.execute_command("PUBLISH", keys.events(queue), event(SCHEDULE_EVENT, name))
+        return state
+
+    state, _ = await _optimistic(r, [key], body)
+    return state
 
 
 @redis_boundary
@@ -109,23 +155,6 @@ async def queue_of(r: Client, keys: Keys, name: str) -> str | None:
     if is_wrong_type(found):
         raise _corrupt(keys.schedules)
     return None if found is None else text(found)
-
-
-@redis_boundary
-async def unregister(r: Client, keys: Keys, name: str, queue: str) -> None:
-    """Drop a registry entry if it still names ``queue``.
-
-    1. WATCH <prefix>:schedules;  HGET <prefix>:schedules <name>
-    2. MULTI;  HDEL <prefix>:schedules <name>;  EXEC      (when it names ``queue``)
-    """
-
-    async def body(pipe: Pipeline) -> None:
-        found = await call(pipe, "HGET", keys.schedules, name)
-        if found is not None and text(found) == queue:
-            pipe.multi()
-            pipe.execute_command("HDEL", keys.schedules, name)
-
-    await _optimistic(r, [keys.schedules], body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +232,8 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
     it handled. Ticks already in the job index (a job made by hand under a tick's id)
     are not submitted again.
     Keys: s:<name> (HASH), jobs (ZSET), j:<id>... (HASH), tasks (LIST).
+      0. HGET <prefix>:schedules <name>          -> another queue, or none: this copy is
+                                                  an orphan: `drop` it, fire nothing
       1. WATCH s:<name>
       2. TIME;  HGETALL s:<name>;  TYPE tasks  -> due ticks after max(since, last), by
                                                   misfire; none: UNWATCH
@@ -215,6 +246,10 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
      10. SADD queues queue
     """
     key = keys.schedule(queue, name)
+    owner = await queue_of(r, keys, name)
+    if owner != queue:  # an orphan: moved or removed meanwhile (see `claim`)
+        await drop(r, keys, queue, name)
+        return Firing([], False, None, 0)
 
     async def body(pipe: Pipeline) -> Firing:
         clock, raw, kind = await _beside(
@@ -236,9 +271,11 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
             await pipe.reset()
             return Firing([], False, next_ms, now)
         latest = due[-1]
-        if definition.misfire == "skip" and now - latest > MISFIRE_GRACE_MS:
+        if definition.misfire == "skip" and now - latest > definition.grace_ms:
             due = []
         skipped = False
+        if not definition.overlap:  # one run at a time: missed ticks beyond the latest
+            due = due[-1:]  # would run beside it (misfire="all" under overlap=False)
         envelopes: list[Envelope] = []
         if due:
             if text(kind) not in ("list", "none"):

@@ -75,6 +75,7 @@ class Scheduler:
                 await anyio.sleep(_RETRY_AFTER_MS / 1000)
 
     async def _round(self) -> None:
+        self._wake = anyio.Event()  # set by what comes from now on (a watch, an event)
         now_mono = anyio.current_time()
         for queue in self._queues:
             if now_mono - self._loaded.get(queue, -_RELOAD) >= _RELOAD:
@@ -86,7 +87,8 @@ class Scheduler:
         for (queue, name), due in list(self._due.items()):
             if due <= now and self._due.get((queue, name)) == due:
                 await self._fire(queue, name)
-        self._wake = anyio.Event()
+        if self._stale:  # queues watched while this round ran: load them now
+            return
         now = self._clock.estimate_ms()
         earliest = min(self._due.values(), default=None)
         wait = _MAX_WAIT if earliest is None else max(_MIN_WAIT, (earliest - now) / 1000)
@@ -118,7 +120,7 @@ class Scheduler:
     async def _fire(self, queue: str, name: str) -> None:
         try:
             done = await _ops_schedules.fire(self._client, self._keys, queue, name)
-        except BackendError as exc:
+        except Exception as exc:  # one schedule's trouble must not stop the others
             if not isinstance(exc, CorruptDataError):
                 self._log.warning(
                     "firing schedule %r failed: %s", name, exc, extra={"queue": queue}

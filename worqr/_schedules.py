@@ -55,6 +55,8 @@ class ScheduleInfo:
     """Ticks skipped because the previous run was still live (``overlap=False``)."""
     last_job_id: str | None = None
     """The job of the latest submitted tick."""
+    priority: str = "normal"
+    """The level its jobs wait at."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +77,27 @@ class Definition:
 
     @classmethod
     def loads(cls, raw: str, key: str) -> Definition:
-        """A stored definition; `CorruptDataError` naming ``key`` if unreadable."""
+        """A stored definition, checked as `definition` checks a new one (another
+        client may have written anything); `CorruptDataError` naming ``key`` if it is
+        not one."""
         try:
             fields = json.loads(raw)
-            found = cls(**fields)
-            found.ticks(0, 0, 1)  # the expression and zone must work
+            every_ms = fields["every_ms"]
+            if every_ms is not None and (type(every_ms) is not int or every_ms <= 0):
+                raise ValueError(f"every_ms must be a positive int, got {every_ms!r}")
+            if not isinstance(fields["payload"], str) or not isinstance(fields["options"], dict):
+                raise ValueError("payload must be a str and options an object")
+            found = definition(
+                fields["payload"],
+                cron=fields["cron"],
+                every=None if every_ms is None else every_ms / 1000,
+                timezone=fields["timezone"],
+                misfire=fields["misfire"],
+                overlap=fields["overlap"],
+                options=fields["options"],
+            )
             found.job_options()
-        except (ValueError, TypeError, KeyError, zoneinfo.ZoneInfoNotFoundError) as exc:
+        except Exception as exc:  # whatever it holds, it must not stop other schedules
             raise CorruptDataError(f"{key} holds a schedule worqr cannot read: {exc}", key) from exc
         return found
 
@@ -102,7 +118,14 @@ class Definition:
             at=None,
             result_ttl=given.get("result_ttl", DAY),
             unique=False,
+            priority=given.get("priority", "normal"),
         )
+
+    @property
+    def grace_ms(self) -> int:
+        """How late a tick may be found and still count as on time (``misfire="skip"``):
+        `MISFIRE_GRACE_MS`, or the period if shorter."""
+        return min(MISFIRE_GRACE_MS, self.every_ms or MISFIRE_GRACE_MS)
 
     def ticks(self, after_ms: int, until_ms: int, limit: int) -> list[int]:
         """The latest ``limit`` ticks t with after_ms < t <= until_ms, oldest first."""
@@ -146,6 +169,7 @@ class Definition:
             next_tick=self.next_after(now_ms) / 1000,
             skipped=int(skipped) if skipped.isdigit() else 0,
             last_job_id=state.get("job"),
+            priority=str(self.options.get("priority", "normal")),
         )
 
 
@@ -186,6 +210,7 @@ def stored_options(given: Options) -> dict[str, Any]:
         "backoff": [b.initial, b.factor, b.maximum, b.jitter],
         "timeout": given.timeout,
         "result_ttl": given.result_ttl,
+        "priority": given.priority,
     }
 
 
@@ -208,16 +233,21 @@ def definition(
             raise TypeError(f"every must be a number of seconds, not {type(every).__name__}")
         if not MIN_EVERY <= every <= MAX_EVERY:
             raise ValueError(
-                f"every must be from {MIN_EVERY} to {MAX_EVERY:g} seconds, got {every!r}"
+                f"every must be from 0.001 seconds to 366 days ({MAX_EVERY:.0f} s), got {every!r}"
             )
         every_ms = round(every * 1000)
     if cron is not None:
         if not isinstance(cron, str):
             raise TypeError(f"cron must be a str, not {type(cron).__name__}")
-        if len(cron.split()) not in (5, 6) or not croniter.is_valid(cron):
+        if len(cron.split()) not in (5, 6):
             raise ValueError(
-                f"cron must be a 5-field cron expression (or 6, the last one seconds), got {cron!r}"
+                f"cron must have 5 fields (or 6, the last one seconds), got {len(cron.split())}:"
+                f" {cron!r}"
             )
+        try:
+            croniter(cron)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"cron {cron!r} is not a valid cron expression: {exc}") from exc
     if not isinstance(timezone, str):
         raise TypeError(f"timezone must be a str, not {type(timezone).__name__}")
     try:
@@ -228,7 +258,7 @@ def definition(
         raise ValueError(f"misfire must be one of {', '.join(MISFIRES)}, got {misfire!r}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be a bool, not {type(overlap).__name__}")
-    return Definition(
+    made = Definition(
         payload=payload,
         cron=cron,
         every_ms=every_ms,
@@ -237,3 +267,9 @@ def definition(
         overlap=overlap,
         options=options,
     )
+    if cron is not None:
+        try:
+            made.next_after(0)
+        except ValueError as exc:  # croniter found no date: 30 February, say
+            raise ValueError(f"cron {cron!r} never fires") from exc
+    return made

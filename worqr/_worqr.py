@@ -41,11 +41,12 @@ from ._errors import (
     redis_boundary,
 )
 from ._events import Events, Subscribed
-from ._flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
+from ._flow import Paused, RateLimit, Throttled, check_rate_limit
 from ._jobs import Backoff, Job, JobInfo, JobStatus
 from ._jobs import Options as JobOptions
 from ._jobs import options as job_options
 from ._keys import Keys
+from ._levels import Picker, check_policy, check_priority
 from ._log import PeerLog
 from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo, readable
 from ._names import (
@@ -176,7 +177,8 @@ class Worqr:
         self._held: dict[str, Process] = {}  # dequeued here; known until Redis ended them
         self._ending: set[str] = set()  # held ids whose end (finish, fail, stop) is in flight
         self._taking: set[str] = set()  # ids of dequeues in flight (outcome not yet known)
-        self._controlled: set[str] = set()  # queues last seen paused or rate-limited
+        self._controlled: set[str] = set()  # last seen paused, limited, or with levels
+        self._pickers: dict[str, Picker] = {}  # queue -> the levels' credit of its dequeues
         self._starting = anyio.Lock()
         self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         self._consumers: set[Consumer] = set()
@@ -360,20 +362,29 @@ class Worqr:
 
     @redis_boundary
     async def peek_queue(self, queue: str) -> str | None:
-        """The task that will be dequeued next, or None."""
-        raw = await read(self._redis, "LINDEX", self._keys.tasks(check_queue(queue)), 0)
-        return None if raw is None else text(raw)
+        """The head of the queue's highest non-empty level (what a ``strict`` worker
+        takes next), or None."""
+        for raw in await self._levels(check_queue(queue), "LINDEX", 0):
+            if raw is not None:
+                return text(raw)
+        return None
 
     @redis_boundary
     async def count_queue(self, queue: str) -> int:
-        """How many tasks wait in the queue."""
-        return int(await read(self._redis, "LLEN", self._keys.tasks(check_queue(queue))))
+        """How many tasks wait in the queue (every level)."""
+        return sum(int(n) for n in await self._levels(check_queue(queue), "LLEN"))
 
     @redis_boundary
     async def get_tasks(self, queue: str) -> list[str]:
-        """The queued tasks, next first."""
-        raw = await read(self._redis, "LRANGE", self._keys.tasks(check_queue(queue)), 0, -1)
-        return [text(task) for task in raw]
+        """The queued tasks: of level high, then normal, then low, each next first."""
+        found = await self._levels(check_queue(queue), "LRANGE", 0, -1)
+        return [text(task) for level in found for task in level]
+
+    async def _levels(self, queue: str, command: str, *args: int) -> list[Any]:
+        """One read command on each of the queue's level lists, highest first, in one
+        round trip; a wrong-typed list raises `CorruptDataError` naming it."""
+        commands: list[_ops.Command] = [(command, key, *args) for key in self._keys.levels(queue)]
+        return await _ops.reads_checked(self._redis, commands)
 
     async def delete_queue(self, queue: str) -> None:
         """Delete the queue and all its tasks (queued, in process, failed); publishes
@@ -383,9 +394,15 @@ class Worqr:
     # -- tasks -------------------------------------------------------------------------
 
     async def enqueue(
-        self, queue: str, task_or_tasks: str | Sequence[str], *, unique: bool = False
+        self,
+        queue: str,
+        task_or_tasks: str | Sequence[str],
+        *,
+        unique: bool = False,
+        priority: str = "normal",
     ) -> None:
-        """Append one task or a sequence of tasks at the back of the queue, atomically.
+        """Append one task or a sequence of tasks at the back of the queue, atomically,
+        at ``priority`` (``high``, ``normal`` or ``low``: see `consume`).
 
         With ``unique``, raises `DuplicateTaskError` (writing nothing) while an
         identical unique task is queued or in process in this queue. With
@@ -394,8 +411,11 @@ class Worqr:
         """
         check_queue(queue)
         tasks = [check_plain_task(task) for task in check_tasks(task_or_tasks)]
+        level = check_priority(priority)
+        if level != "normal":
+            await self._enable_jobs()  # version-2 peers know no levels: they must refuse
         push = _ops.enqueue_unique if unique else _ops.enqueue
-        confirmed = await push(self._redis, self._keys, queue, tasks, self._wait)
+        confirmed = await push(self._redis, self._keys, queue, tasks, self._wait, level)
         self._require_replicas(confirmed, f"{len(tasks)} task(s) are queued in {queue!r}")
 
     def _require_replicas(self, confirmed: int | None, what: str) -> None:
@@ -441,6 +461,7 @@ class Worqr:
         at: datetime.datetime | float | None = None,
         result_ttl: float = _DAY,
         unique: bool = False,
+        priority: str = "normal",
     ) -> Job:
         """Submit a job: ``payload`` (a str, what the handler gets as ``process.task``)
         with an id, retries, a timeout, a due time and a stored outcome.
@@ -452,7 +473,8 @@ class Worqr:
         default `Backoff()`) between attempts; ``timeout`` bounds one attempt;
         ``delay`` (seconds from now) or ``at`` (an aware datetime or Unix seconds, by
         the Redis server's clock) holds it back; its outcome stays readable
-        ``result_ttl`` seconds after it ended.
+        ``result_ttl`` seconds after it ended; it waits, and each retry of it, at
+        ``priority`` (see `consume`).
         """
         check_queue(queue)
         given = None if job_id is None else check_job_id(job_id)
@@ -466,6 +488,7 @@ class Worqr:
             at=at,
             result_ttl=result_ttl,
             unique=unique,
+            priority=priority,
         )
         (job,) = await self._submit(queue, [check_task(payload)], given, choices)
         return job
@@ -482,6 +505,7 @@ class Worqr:
         at: datetime.datetime | float | None = None,
         result_ttl: float = _DAY,
         unique: bool = False,
+        priority: str = "normal",
     ) -> list[Job]:
         """`submit` a job per payload, atomically and in one round trip (with
         ``unique``, a few: none is written if one is live already)."""
@@ -496,6 +520,7 @@ class Worqr:
             at=at,
             result_ttl=result_ttl,
             unique=unique,
+            priority=priority,
         )
         return await self._submit(queue, check_tasks(payloads), None, choices)
 
@@ -576,6 +601,7 @@ class Worqr:
         backoff: Backoff | float | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (each run's timeout)
         result_ttl: float = _DAY,
+        priority: str = "normal",
     ) -> None:
         """Store (or replace) the schedule ``name``: a job of ``payload`` submitted to
         ``queue`` at each tick of ``cron`` (a 5-field cron expression, or 6 with
@@ -592,6 +618,8 @@ class Worqr:
         """
         check_name(name)
         check_queue(queue)
+        if not isinstance(payload, str):
+            raise TypeError(f"payload must be a str, not {type(payload).__name__}")
         check_plain_task(check_task(payload))
         choices = job_options(
             max_attempts=max_attempts,
@@ -601,6 +629,7 @@ class Worqr:
             at=None,
             result_ttl=result_ttl,
             unique=False,
+            priority=priority,
         )
         made = definition(
             payload,
@@ -612,20 +641,23 @@ class Worqr:
             options=stored_options(choices),
         )
         await self._enable_jobs()
-        before = await _ops_schedules.queue_of(self._redis, self._keys, name)
-        await _ops_schedules.store(self._redis, self._keys, queue, name, made)
-        if before is not None and before != queue:  # moved: the old queue's copy goes
-            await _ops_schedules.drop(self._redis, self._keys, before, name)
+        # The registry first: from then on a copy in another queue is an orphan, which
+        # its workers drop instead of firing. A move takes the old copy's record along
+        # (dropped first, so that no tick is submitted by both copies, nor by neither).
+        before = await _ops_schedules.claim(self._redis, self._keys, name, queue)
+        carried = None
+        if before is not None and before != queue:
+            carried = await _ops_schedules.drop(self._redis, self._keys, before, name)
+        await _ops_schedules.store(self._redis, self._keys, queue, name, made, carried)
 
     async def unschedule(self, name: str) -> bool:
         """Remove the schedule ``name`` (jobs it submitted stay); whether it existed."""
         check_name(name)
-        queue = await _ops_schedules.queue_of(self._redis, self._keys, name)
+        queue = await _ops_schedules.claim(self._redis, self._keys, name, None)
         if queue is None:
             return False
-        dropped = await _ops_schedules.drop(self._redis, self._keys, queue, name)
-        await _ops_schedules.unregister(self._redis, self._keys, name, queue)
-        return dropped
+        await _ops_schedules.drop(self._redis, self._keys, queue, name)
+        return True
 
     async def get_schedules(self) -> list[ScheduleInfo]:
         """Every schedule, sorted by name (in two round trips), with its latest tick
@@ -687,10 +719,12 @@ class Worqr:
             return None
         return taken[0] if taken else None
 
-    async def _take(self, queue: str, count: int = 1, *, announced: bool = False) -> list[Process]:
-        """Dequeue up to ``count`` tasks (see `_ops.dequeue`), fenced against a lease
-        loss that happens while the command runs. Nothing while the queue is paused;
-        `Throttled` when its rate limit is reached.
+    async def _take(
+        self, queue: str, count: int = 1, *, announced: bool = False, policy: str = "weighted"
+    ) -> list[Process]:
+        """Dequeue up to ``count`` tasks (see `_ops.dequeue`), the levels served by
+        ``policy``, fenced against a lease loss that happens while the command runs.
+        Nothing while the queue is paused; `Throttled` when its rate limit is reached.
 
         Every id a dequeue attempt uses is known as in flight until the call is over,
         so the audit never takes its process for a stray; after the call, the ids of an
@@ -701,14 +735,14 @@ class Worqr:
         epoch = self._epoch
         reserved: list[str] = []
 
-        def new_ids(count: int) -> list[str]:
-            ids = [new_process_id(self._worker_id, queue).id for _ in range(count)]
+        def new_ids(levels: Sequence[str]) -> list[str]:
+            ids = [new_process_id(self._worker_id, queue, level).id for level in levels]
             reserved.extend(ids)
             self._taking.update(ids)
             return ids
 
-        def seen(flow: Flow) -> None:  # a controlled queue's dequeue reads its flow first
-            if flow.limit is None and not flow.paused:
+        def seen(look: _ops.Look) -> None:  # such a queue's dequeue reads it first
+            if look.flow.limit is None and not look.flow.paused and not look.leveled:
                 self._controlled.discard(queue)
             else:
                 self._controlled.add(queue)
@@ -724,6 +758,8 @@ class Worqr:
                 announced=announced and queue not in self._controlled,
                 new_ids=new_ids,
                 seen=seen,
+                picker=self._pickers.setdefault(queue, Picker()),
+                policy=policy,
             )
             if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
                 for process in reversed(taken):
@@ -871,6 +907,7 @@ class Worqr:
             delayed=row.delayed,
             paused=row.flow.paused,
             rate_limit=row.flow.rate_limit,
+            levels=row.levels,
         )
 
     async def get_processes(self, queue: str | None = None) -> list[Process]:
@@ -956,7 +993,9 @@ class Worqr:
             self._promoting[queue] = functools.partial(self._timers_hook, queue)
             self._events.add_hook(queue, self._promoting[queue])
         await self._events.settled(queue)
-        waiting, deleted = await _ops.start_work(self._redis, self._keys, self._worker_id, queue)
+        waiting, deleted, message = await _ops.start_work(
+            self._redis, self._keys, self._worker_id, queue
+        )
         if queue in self._working:
             self._working[queue] = deleted
             self._promoter.watch(queue, None)  # due times announced from now on count
@@ -964,7 +1003,7 @@ class Worqr:
             (due,) = await _ops.next_due(self._redis, self._keys, [queue])
             self._promoter.note(queue, due)
         if waiting:
-            await _ops.publish(self._redis, self._keys, queue, "work", str(waiting))
+            await _ops.publish(self._redis, self._keys, queue, "work", message)
 
     async def stop_work(self, queue: str) -> None:
         """Stop working on a queue: its `consume` loops end and this worker's processes
@@ -1075,8 +1114,8 @@ class Worqr:
                     self._reported.clear()
                 self._reported[key] = now
                 self._log.warning(
-                    "key %s has the wrong type for worqr's layout: left alone; "
-                    "check(repair=True) removes it",
+                    "key %s is not as worqr's layout gives it (a wrong type, or contents"
+                    " it cannot read): left alone; check(repair=True) repairs it",
                     key,
                 )
 
@@ -1159,6 +1198,13 @@ class Worqr:
                 else:
                     now = await self._clock.now_ms(r)
                     await _ops.end_lost_job(r, keys, queue, parsed[2], now)
+        elif problem.kind == "unreadable-flow" and queue:
+            await _ops_flow.set_rate_limit(r, keys, queue, None, 0)  # what cannot be read
+        elif problem.kind == "unreadable-schedule" and queue and problem.key:
+            parsed = keys.parse(problem.key)
+            if parsed is not None and parsed[0] == "s":
+                await _ops_schedules.drop(r, keys, queue, parsed[2])
+                self._log.warning("removed %s: no worker can run it", problem.key)
         elif problem.kind == "no-expiry" and problem.key:
             # An expiry, not a delete: a live worker's next heartbeat renews it.
             await _ops.expire_endless(r, problem.key, round(self._worker_timeout * 1000))
@@ -1228,8 +1274,8 @@ class Worqr:
         """Wake this peer's consumers of queues where tasks wait (hooks only), and
         note the due times of their delayed jobs."""
         for queue, look in looks.items():
-            if look.waiting:
-                self._events.poke(queue, "work", str(look.waiting))
+            if look.waiting:  # a bare work: (a look) when other levels than normal hold some
+                self._events.poke(queue, "work", "" if look.leveled else str(look.waiting))
             self._promoter.note(queue, look.next_due)
         await self._clock.now_ms(self._redis)  # a fresh sample every 30 s
 
@@ -1347,8 +1393,14 @@ class Worqr:
 
     # -- high level --------------------------------------------------------------------
 
-    async def consume(self, queue: str, handler: Handler, *, concurrency: int = 1) -> None:
+    async def consume(
+        self, queue: str, handler: Handler, *, concurrency: int = 1, priority: str = "weighted"
+    ) -> None:
         """Run ``handler(process)`` for the queue's tasks, up to ``concurrency`` at once.
+
+        ``priority`` says how the queue's levels are served: ``weighted`` (non-empty
+        levels high, normal and low in the ratio 16:4:1, so none starves) or
+        ``strict`` (always the highest non-empty level).
 
         Starts the worker and the work on the queue if needed. A returned str (or
         None) finishes the process with that result; an exception moves the task to
@@ -1363,6 +1415,7 @@ class Worqr:
             raise TypeError(f"concurrency must be an int, not {type(concurrency).__name__}")
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        check_policy(priority)
         if self._supervisor is None:
             await self.start_worker()
         supervisor = self._supervisor
@@ -1378,7 +1431,7 @@ class Worqr:
             raise ClosedError("this Worqr was closed while consume started")
         if self._supervisor is not supervisor or queue not in self._working:
             return
-        consumer = Consumer(self, queue, handler, concurrency, self._log)
+        consumer = Consumer(self, queue, handler, concurrency, self._log, policy=priority)
         self._consumers.add(consumer)
         self._events.add_hook(queue, consumer.hook)
         try:
