@@ -545,20 +545,39 @@ JOBS_BEGIN = "<!-- jobs: benchmarks/jobs.py writes from here to the end mark -->
 JOBS_END = "<!-- jobs: end -->"
 
 
+PARTS = [
+    (JOBS_BEGIN, JOBS_END),
+    ("<!-- schedules:start -->", "<!-- schedules:end -->"),
+    ("<!-- flow:start -->", "<!-- flow:end -->"),
+]
+"""The marks of the parts of benchmarks.md that other benchmarks write (jobs.py,
+schedules.py, flow.py): this one keeps them when it rewrites the page."""
+
+
+def part_of(page: str, begin: str, end: str) -> str | None:
+    """The part of ``page`` from ``begin`` to ``end``, marks included; None if absent."""
+    start = page.find(begin)
+    stop = page.find(end, start + len(begin)) if start >= 0 else -1
+    return None if start < 0 or stop < 0 else page[start : stop + len(end)]
+
+
+def with_part(page: str, begin: str, end: str, part: str) -> str:
+    """``page`` with its part from ``begin`` to ``end`` replaced by ``part`` (added at
+    the end if it has none); every other byte is kept."""
+    old = part_of(page, begin, end)
+    if old is not None:
+        return page.replace(old, part)
+    return page.rstrip("\n") + "\n\n" + part + "\n"
+
+
 def jobs_part(page: str) -> str | None:
     """The part of benchmarks.md that benchmarks/jobs.py writes, marks included."""
-    start, end = page.find(JOBS_BEGIN), page.find(JOBS_END)
-    if start < 0 or end < start:
-        return None
-    return page[start : end + len(JOBS_END)]
+    return part_of(page, JOBS_BEGIN, JOBS_END)
 
 
 def with_jobs_part(page: str, part: str) -> str:
     """``page`` with its jobs part replaced by ``part`` (added at the end if it has none)."""
-    old = jobs_part(page)
-    if old is not None:
-        return page.replace(old, part)
-    return page.rstrip("\n") + "\n\n" + part + "\n"
+    return with_part(page, JOBS_BEGIN, JOBS_END, part)
 
 
 def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str]) -> None:
@@ -621,9 +640,13 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
         *(["## Notes from this run", "", *notes, ""] if notes else []),
     ]
     page = out / "benchmarks.md"
-    kept = jobs_part(page.read_text()) if page.exists() else None
+    old = page.read_text() if page.exists() else ""
     text = "\n".join(lines) + "\n"
-    page.write_text(text if kept is None else with_jobs_part(text, kept))
+    for begin, end in PARTS:  # the parts other benchmarks wrote stay
+        kept = part_of(old, begin, end)
+        if kept is not None:
+            text = with_part(text, begin, end, kept)
+    page.write_text(text)
     print(table(results, libraries))
     print("\n".join(notes))
 

@@ -4,6 +4,7 @@ and check() finds what cannot be read."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 
@@ -34,6 +35,13 @@ async def test_moving_a_schedule_back_and_forth_fires_each_tick_once(
             await anyio.sleep(0.07)
         await eventually(lambda: len(runs) >= 20)
     assert len(runs) == len(set(runs)), sorted(runs)
+    ticks = sorted(_tick_ms(job_id) for job_id in runs)  # misfire="all": no gap either
+    assert ticks == list(range(ticks[0], ticks[-1] + 1, 50))
+
+
+def _tick_ms(job_id: str) -> int:
+    stamp = job_id.partition("@")[2].replace("Z", "+00:00")
+    return round(datetime.datetime.fromisoformat(stamp).timestamp() * 1000)
 
 
 async def test_concurrent_stores_leave_no_copy_behind(real_make: Factory) -> None:
@@ -50,8 +58,11 @@ async def test_concurrent_stores_leave_no_copy_behind(real_make: Factory) -> Non
 
     async with consuming(worker, handler, queue="qx"), consuming(worker, handler, queue="qy"):
         await anyio.sleep(0.4)
-    assert ran == []
+    assert ran == []  # a copy the registry does not name never fires
     assert await one.get_schedules() == []
+    assert {p.kind for p in (await one.check()).problems} <= {"orphan-schedule"}
+    await one.check(repair=True)
+    assert (await one.check()).ok
 
 
 async def test_no_overlap_submits_one_of_many_missed_ticks(

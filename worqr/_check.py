@@ -13,6 +13,7 @@ worker holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -385,10 +386,18 @@ async def _setting_problems(r: Client, keys: Keys, state: _State) -> list[Proble
         read_flow(keys, queue) if kind == "flow" else ("HGET", keys.schedule(queue, rest), "def")
         for kind, queue, rest in state.settings
     ]
+    (owners, *replies) = await reads(r, [("HGETALL", keys.schedules), *commands])
+    registry = {} if is_wrong_type(owners) else _mapping(owners)
     problems = []
-    for (kind, queue, rest), reply in zip(state.settings, await reads(r, commands), strict=True):
+    for (kind, queue, rest), reply in zip(state.settings, replies, strict=True):
         if is_wrong_type(reply) or reply is None:
             continue  # a wrong type is its own finding; gone since the SCAN
+        if kind == "s" and not is_wrong_type(owners) and registry.get(rest) != queue:
+            text_ = "a copy of a schedule that the registry names elsewhere, or not at all"
+            problems.append(
+                Problem("orphan-schedule", text_, queue, key=keys.schedule(queue, rest))
+            )
+            continue
         try:
             if kind == "flow":
                 Flow.parse(reply, keys.flow(queue))
@@ -399,6 +408,12 @@ async def _setting_problems(r: Client, keys: Keys, state: _State) -> list[Proble
             key = keys.flow(queue) if kind == "flow" else keys.schedule(queue, rest)
             problems.append(Problem(what, str(exc), queue, key=key))
     return problems
+
+
+def _mapping(reply: Any) -> dict[str, str]:
+    """An HGETALL reply as a dict of str."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {text(k): text(v) for k, v in pairs}
 
 
 async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:

@@ -146,6 +146,29 @@ async def drop(r: Client, keys: Keys, queue: str, name: str) -> dict[str, str] |
 
 
 @redis_boundary
+async def drop_orphan(r: Client, keys: Keys, queue: str, name: str) -> bool:
+    """Remove a copy of a schedule that the registry does not name (`claim`): the
+    repair of ``orphan-schedule``; whether it was removed.
+
+      1. WATCH s:<name>;  HGET <prefix>:schedules <name>   -> <queue>: UNWATCH, False
+      2. MULTI;  DEL s:<name>;  SREM schedules <name>;  EXEC  -> nil: back to 1
+    """
+    key = keys.schedule(queue, name)
+
+    async def body(pipe: Pipeline) -> bool:
+        if await queue_of(r, keys, name) == queue:  # claimed by a store meanwhile
+            await pipe.reset()
+            return False
+        pipe.multi()
+        pipe.execute_command("DEL", key)
+        pipe.execute_command("SREM", keys.queue_schedules(queue), name)
+        return True
+
+    dropped, _ = await _optimistic(r, [key], body)
+    return dropped
+
+
+@redis_boundary
 async def queue_of(r: Client, keys: Keys, name: str) -> str | None:
     """The queue a schedule submits to, by the registry; None if none.
 
@@ -233,7 +256,7 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
     are not submitted again.
     Keys: s:<name> (HASH), jobs (ZSET), j:<id>... (HASH), tasks (LIST).
       0. HGET <prefix>:schedules <name>          -> another queue, or none: this copy is
-                                                  an orphan: `drop` it, fire nothing
+                                                  an orphan: fire nothing
       1. WATCH s:<name>
       2. TIME;  HGETALL s:<name>;  TYPE tasks  -> due ticks after max(since, last), by
                                                   misfire; none: UNWATCH
@@ -246,10 +269,8 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
      10. SADD queues queue
     """
     key = keys.schedule(queue, name)
-    owner = await queue_of(r, keys, name)
-    if owner != queue:  # an orphan: moved or removed meanwhile (see `claim`)
-        await drop(r, keys, queue, name)
-        return Firing([], False, None, 0)
+    if await queue_of(r, keys, name) != queue:  # an orphan (see `claim`): it never fires;
+        return Firing([], False, None, 0)  # a move drops it, or check(repair=True)
 
     async def body(pipe: Pipeline) -> Firing:
         clock, raw, kind = await _beside(

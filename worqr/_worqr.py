@@ -1200,9 +1200,11 @@ class Worqr:
                     await _ops.end_lost_job(r, keys, queue, parsed[2], now)
         elif problem.kind == "unreadable-flow" and queue:
             await _ops_flow.set_rate_limit(r, keys, queue, None, 0)  # what cannot be read
-        elif problem.kind == "unreadable-schedule" and queue and problem.key:
+        elif problem.kind in ("unreadable-schedule", "orphan-schedule") and queue and problem.key:
             parsed = keys.parse(problem.key)
-            if parsed is not None and parsed[0] == "s":
+            if parsed is not None and parsed[0] == "s" and problem.kind == "orphan-schedule":
+                await _ops_schedules.drop_orphan(r, keys, queue, parsed[2])
+            elif parsed is not None and parsed[0] == "s":
                 await _ops_schedules.drop(r, keys, queue, parsed[2])
                 self._log.warning("removed %s: no worker can run it", problem.key)
         elif problem.kind == "no-expiry" and problem.key:

@@ -26,6 +26,17 @@ always-failing handler raises ``Retry(defer=0)`` on tries 1 and 2 and ``RuntimeE
 on try 3 (its function registered with ``max_tries=3``); a job counts as failed in
 ``after_job_end``, which runs once arq has stored the failed result.
 
+Schedules. ``cron`` runs arq's own CLI (``arq arq_peer.CronSettings``, its
+``cli`` entry point called in this process, after `skew_clock` and, with
+``--uvloop``, uvloop's event loop policy) with one ``cron()`` job in
+``WorkerSettings.cron_jobs`` firing every ``--every`` seconds (``second`` set to
+those seconds, ``microsecond=0`` so that ticks fall on whole seconds as the other
+libraries' do; every other option at its default: ``unique=True``,
+``keep_result=0``, ``max_tries=1``). Every worker enqueues each tick whose time falls
+within its next heartbeat window, under the job id ``cron:tick:<tick Unix ms>``;
+the id dedupes while the job or its result exists, and the tick is read back from
+it. ``--role setup`` does nothing: the schedule lives in each worker's settings.
+
 arq has no batch enqueue, so ``enqueue --batch`` reports unsupported. Each
 ``enqueue_job`` call gets a fresh random job id (uuid4), so no task is deduplicated.
 Logging is left unconfigured (arq's CLI would log every job at INFO).
@@ -37,10 +48,12 @@ import asyncio
 import contextlib
 import datetime
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
+from arq import cron as arq_cron
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.worker import Retry, Worker, func
 from common import (
@@ -50,10 +63,12 @@ from common import (
     due_times,
     emit,
     parse_args,
+    ran,
     round_trips,
     run,
     say,
     scheduled,
+    skew_clock,
     started,
 )
 
@@ -202,6 +217,49 @@ async def retry() -> None:
     emit(clock.result())
 
 
+async def tick(ctx: Ctx) -> None:
+    """The scheduled handler: report the tick named by the job id."""
+    job_id: str = ctx["job_id"]
+    ran(int(job_id.rsplit(":", 1)[1]) / 1000, job_id)
+
+
+async def cron_ready(ctx: Ctx) -> None:
+    say("ready")
+
+
+class CronSettings:
+    """The ``WorkerSettings`` arq's CLI runs in ``cron`` mode."""
+
+    functions: ClassVar[list[Any]] = []
+    cron_jobs: ClassVar[list[Any]] = [
+        arq_cron(
+            tick,
+            name="cron:tick",
+            second=set(range(0, 60, max(1, round(ARGS.every)))),
+            microsecond=0,
+        )
+    ]
+    redis_settings = RedisSettings.from_dsn(ARGS.url)
+    queue_name = ARGS.queue
+    max_jobs = ARGS.concurrency
+    on_startup = cron_ready
+
+
+def cron() -> None:
+    if ARGS.role != "worker":
+        return
+    skew_clock()
+    if ARGS.uvloop:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    from arq.cli import cli
+
+    # The CLI imports the settings by name: make that name this very module.
+    sys.modules["arq_peer"] = sys.modules["__main__"]
+    cli.main(args=["arq_peer.CronSettings"], prog_name="arq")
+
+
 MODES = {
     "enqueue": enqueue,
     "drain": drain,
@@ -211,4 +269,7 @@ MODES = {
     "roundtrip": roundtrip,
     "retry": retry,
 }
-run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
+if ARGS.mode == "cron":
+    cron()
+else:
+    run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

@@ -35,6 +35,15 @@ stands for in Node. ``retry`` adds with ``attempts=--attempts`` and no ``backoff
 failed attempt goes straight back to ``wait``) and reads ``getFailedCount()`` (ZCARD
 of the ``failed`` set) every few milliseconds.
 
+Schedules. BullMQ's Python port has no CLI: ``cron`` runs ``bullmq.Worker`` in this
+process as ``worker`` does (after `skew_clock`), under uvloop with ``--uvloop``.
+The schedule is a job scheduler, ``Queue.upsertJobScheduler("tick", {"every": ms})``,
+stored once in Redis by ``--role setup`` before any worker starts (a scheduler
+record plus one delayed job for its next iteration); a worker that takes an
+iteration's job materializes the next one in the same step. Iterations of ``every``
+fall on multiples of it since the epoch, and each job's id is
+``repeat:tick:<tick Unix ms>``, from which the tick is read back.
+
 The venv pins redis-py below 8: from 8.0 its default ``socket_timeout`` is 5 s, equal
 to ``drainDelay``, so an idle worker's BZPOPMIN times out on the client and redis-py
 retries with backoff growing to 20 s, during which new jobs wait.
@@ -54,10 +63,12 @@ from common import (
     due_times,
     emit,
     parse_args,
+    ran,
     round_trips,
     run,
     say,
     scheduled,
+    skew_clock,
     started,
 )
 
@@ -191,6 +202,29 @@ async def retry() -> None:
     emit(clock.result())
 
 
+SCHEDULER = "tick"
+
+
+async def cron() -> None:
+    skew_clock()
+    if ARGS.role == "setup":
+        queue = Queue(ARGS.queue, connection())
+        await queue.upsertJobScheduler(SCHEDULER, {"every": round(ARGS.every * 1000)}, NAME)
+        await queue.close()
+        return
+    if ARGS.role != "worker":
+        return
+
+    async def process(job: Job, token: str) -> None:
+        ran(int(job.id.rsplit(":", 1)[1]) / 1000, job.id)
+
+    consumer = Worker(ARGS.queue, process, {**connection(), "concurrency": ARGS.concurrency})
+    while not consumer.running:  # noqa: ASYNC110 (as in worker)
+        await asyncio.sleep(0.01)
+    say("ready")
+    await asyncio.sleep(24 * 3600)
+
+
 MODES = {
     "enqueue": enqueue,
     "drain": drain,
@@ -199,5 +233,6 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "cron": cron,
 }
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

@@ -44,6 +44,20 @@ The job workloads (benchmarks/jobs.py) add three modes and two ``worker`` flags:
 ``worker --reply``
     The handler returns its payload as the job's result.
 
+The schedule benchmark (benchmarks/schedules.py) adds one mode:
+
+``cron --role setup|worker|scheduler --every S --concurrency C``
+    A schedule firing every S seconds with the library's own cron or repeat feature.
+    ``setup`` stores it where the library keeps schedules in Redis (a no-op where
+    workers declare it); ``worker`` runs one worker process of the library, through
+    its own CLI where it has one, until killed; ``scheduler`` runs the separate
+    scheduler process of libraries that need one (RQ). A worker prints ``ready``
+    once started, then for every handler start a line ``S <tick>=<id> <wall>``
+    (`ran`): the tick's scheduled time in Unix seconds as the library identifies it,
+    the job id or field it was read from, and this host's true clock. With
+    ``$BENCH_CLOCK_OFFSET_MS`` set, the process's wall clock is offset first
+    (`skew_clock`).
+
 Every adapter uses the queue name given by ``--queue`` and connects to ``--url``.
 """
 
@@ -51,7 +65,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -63,7 +79,20 @@ FLUSH_EVERY = 0.05
 """Seconds between writes of a ``--buffered`` worker's start lines."""
 POLL_EVERY = 0.005
 """Seconds between reads of a failed-job count, for libraries without a hook."""
-MODES = ["enqueue", "drain", "worker", "produce", "fleet", "schedule", "roundtrip", "retry"]
+MODES = [
+    "enqueue",
+    "drain",
+    "worker",
+    "produce",
+    "fleet",
+    "schedule",
+    "roundtrip",
+    "retry",
+    "cron",
+]
+CLOCK_OFFSET_ENV = "BENCH_CLOCK_OFFSET_MS"
+"""Milliseconds a ``cron`` process adds to its wall clock (`skew_clock`)."""
+_true_time = time.time
 _buffered = False
 _pending: list[str] = []
 
@@ -87,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attempts", type=int, default=3)
     parser.add_argument("--buffered", action="store_true")
     parser.add_argument("--reply", action="store_true")
+    parser.add_argument("--role", choices=["setup", "worker", "scheduler"], default="worker")
+    parser.add_argument("--every", type=float, default=1.0)
     args = parser.parse_args(argv)
     global _buffered
     _buffered = args.buffered
@@ -114,6 +145,77 @@ def started(payload: str) -> None:
     if not _pending:
         asyncio.get_running_loop().call_later(FLUSH_EVERY, _flush)
     _pending.append(line)
+
+
+def ran(tick: float, identity: str) -> None:
+    """Report that a handler started the schedule's ``tick`` (Unix seconds) now, by
+    this host's true clock even when `skew_clock` offset the process's."""
+    say(f"S {tick!r}={identity.replace(' ', '_')} {_true_time()!r}")
+
+
+def cron_fields(every: float) -> str:
+    """A six-field cron expression (seconds last) firing every ``every`` whole seconds."""
+    seconds = round(every)
+    if seconds < 1 or seconds != every or 60 % seconds:
+        raise SystemExit(f"--every {every}: cron-based libraries need a divisor of 60 s")
+    return "* * * * * *" if seconds == 1 else f"* * * * * */{seconds}"
+
+
+def skew_clock() -> float:
+    """Offset this process's wall clock by ``$BENCH_CLOCK_OFFSET_MS``; return the offset
+    in seconds (0 when unset).
+
+    It stands for a host whose clock is off: ``time.time``, ``time.time_ns`` and
+    ``datetime.datetime.now``/``utcnow``/``today`` return the offset time, in the
+    modules named and in every loaded module that imported them by name (the
+    libraries are imported first, so their references are rebound). Monotonic clocks,
+    and C code that reads the system clock itself, are untouched.
+    """
+    offset = float(os.environ.get(CLOCK_OFFSET_ENV) or 0) / 1000
+    if not offset:
+        return 0.0
+    real_time, real_time_ns, real_datetime = time.time, time.time_ns, datetime.datetime
+    shift = datetime.timedelta(seconds=offset)
+    shift_ns = round(offset * 1e9)
+
+    def skewed_time() -> float:
+        return real_time() + offset
+
+    def skewed_time_ns() -> int:
+        return real_time_ns() + shift_ns
+
+    class SkewedDatetime(real_datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> SkewedDatetime:
+            return super().now(tz) + shift
+
+        @classmethod
+        def utcnow(cls) -> SkewedDatetime:
+            return super().utcnow() + shift
+
+        @classmethod
+        def today(cls) -> SkewedDatetime:
+            return cls.now()
+
+    # Pickled and printed as the real class (pickle finds it by module and name).
+    SkewedDatetime.__module__ = "datetime"
+    SkewedDatetime.__name__ = SkewedDatetime.__qualname__ = "datetime"
+    swaps: dict[int, Any] = {
+        id(real_time): skewed_time,
+        id(real_time_ns): skewed_time_ns,
+        id(real_datetime): SkewedDatetime,
+    }
+    originals = (real_time, real_time_ns, real_datetime)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "") in ("_datetime", __name__):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if any(value is original for original in originals):
+                namespace[name] = swaps[id(value)]
+    return offset
 
 
 def _flush() -> None:

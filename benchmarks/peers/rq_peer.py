@@ -17,6 +17,19 @@ fork; it runs the worker in burst mode (``max_jobs`` = ``--expect``), timing the
 whole burst, and counts the queue's finished jobs by the growth of its
 ``FinishedJobRegistry`` (marked ``shared``: with two workers it counts both).
 
+Schedules: rq 2.12 has a cron scheduler of its own, ``rq cron <config>``
+(``rq.cron.CronScheduler``), a separate process that enqueues each tick's job for
+the ordinary workers; it has no election, so one runs (two would enqueue every tick
+twice). ``cron --role scheduler`` runs it through RQ's CLI (its click group called in
+this process after `skew_clock`) with this module as the config: imported afresh
+under its own name with `CRON_ENV` set, it registers `tick` on the queue with a
+six-field cron expression (seconds last) firing every ``--every`` seconds.
+``cron --role worker`` runs ``rq worker`` through the same CLI (logging at WARNING).
+An RQ cron job carries no tick time: the scheduler enqueues it when its clock
+reaches the tick (a late scheduler enqueues the current tick once and skips the
+missed ones), so the handler reads the tick as the job's ``enqueued_at`` rounded
+down to the schedule's period. ``--role setup`` does nothing.
+
 Recovery after SIGKILL of the worker: the horse is in its own process group and
 survives; it keeps running the job until the 180 s job timeout, then moves the job
 to the ``FailedJobRegistry``. If the horse is killed too, the job stays in the
@@ -29,13 +42,17 @@ never run again unless it was enqueued with a ``Retry``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
+import math
+import os
 import sys
 import time
 
-from common import emit, parse_args, say, started
+from common import cron_fields, emit, parse_args, ran, say, skew_clock, started
 from redis import Redis
-from rq import Queue, Worker
+from rq import Queue, Worker, get_current_job
+from rq.cron import register
 from rq.registry import FinishedJobRegistry
 
 JOB = "rq_peer.job"
@@ -50,6 +67,39 @@ def job(payload: str) -> None:
         started(payload)
         if ARGS.hang:
             time.sleep(3600)
+
+
+CRON_ENV = "RQ_PEER_CRON"
+"""``<queue> <every>`` when this module is imported as ``rq cron``'s config."""
+
+
+def tick() -> None:
+    """The scheduled job: report the tick its enqueue time falls in."""
+    job = get_current_job()
+    assert job is not None and job.enqueued_at is not None
+    enqueued = job.enqueued_at
+    if enqueued.tzinfo is None:
+        enqueued = enqueued.replace(tzinfo=datetime.timezone.utc)
+    every = float((job.meta or {}).get("every", 1))
+    at = enqueued.timestamp()
+    ran(math.floor(at / every) * every, f"{job.id}@{at:.6f}")
+
+
+if __name__ != "__main__" and os.environ.get(CRON_ENV):
+    _queue, _every = os.environ[CRON_ENV].split()
+    register(tick, _queue, cron=cron_fields(float(_every)), meta={"every": float(_every)})
+
+
+def cron(args: argparse.Namespace, queue: Queue) -> None:
+    skew_clock()
+    from rq.cli.cli import main as rq_cli
+
+    if args.role == "scheduler":
+        os.environ[CRON_ENV] = f"{args.queue} {args.every:g}"
+        rq_cli(["cron", "--url", args.url, "--logging-level", "WARNING", "rq_peer"])
+    elif args.role == "worker":
+        say("ready")
+        rq_cli(["worker", "--url", args.url, "--logging_level", "WARNING", args.queue])
 
 
 def enqueue(args: argparse.Namespace, queue: Queue) -> None:
@@ -92,19 +142,21 @@ def produce(args: argparse.Namespace, queue: Queue) -> None:
             time.sleep(delay)
 
 
-MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce}
+MODES = {"enqueue": enqueue, "drain": drain, "worker": worker, "produce": produce, "cron": cron}
 
 
 def main() -> None:
     global ARGS
     ARGS = parse_args()
+    # The horse resolves JOB by importing "rq_peer": make that this very module, so
+    # that it is not imported (and run) afresh per job and `job` sees ARGS. (The
+    # cron scheduler imports it afresh, as its config: see `cron`.)
+    if not (ARGS.mode == "cron" and ARGS.role == "scheduler"):
+        sys.modules["rq_peer"] = sys.modules["__main__"]
     # RQ adds stdout handlers to its loggers only when no handler is configured.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     MODES[ARGS.mode](ARGS, Queue(ARGS.queue, connection=Redis.from_url(ARGS.url)))
 
 
 if __name__ == "__main__":
-    # The horse resolves JOB by importing "rq_peer": make that this very module, so
-    # that it is not imported (and run) afresh per job and `job` sees ARGS.
-    sys.modules["rq_peer"] = sys.modules["__main__"]
     main()

@@ -30,6 +30,17 @@ status on a pub/sub channel (``Queue.apply``, the other way, polls the job every
 goes straight back to the queue) and counts a job in an ``after_process`` hook
 once SAQ has finished it as failed.
 
+Schedules. ``cron`` runs SAQ's own CLI (``saq saq_peer.cron_settings``, its ``main``
+called in this process after `skew_clock` and, with ``--uvloop``, uvloop's event
+loop policy, which the loop the CLI makes follows) with one ``CronJob`` firing every
+``--every`` seconds (a six-field croniter expression, seconds last; ``unique=True``
+and the other options at their defaults) and ``concurrency=--concurrency``. Every
+worker's ``schedule`` upkeep timer (1 s) enqueues the next tick under the fixed key
+``cron:tick`` with ``scheduled`` set to the tick's Unix second, a no-op while that
+key's job is still incomplete, then moves due jobs to the queue under a 1 s lock.
+The tick is read back from the job's ``scheduled`` field. ``--role setup`` does
+nothing: the schedule lives in each worker's settings.
+
 SAQ 0.26 has no bulk enqueue (``Queue.batch()`` only aborts a group's jobs on error,
 ``Queue.map()`` enqueues concurrently and waits for results), so ``enqueue --batch``
 reports unsupported. Job keys default to uuid1, so every task is a new job.
@@ -39,6 +50,7 @@ saq 0.26.4 imports ``typing_extensions`` without declaring it: install it in the
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -47,16 +59,19 @@ from common import (
     DrainClock,
     RetryClock,
     Schedule,
+    cron_fields,
     due_times,
     emit,
     parse_args,
+    ran,
     round_trips,
     run,
     say,
     scheduled,
+    skew_clock,
     started,
 )
-from saq import Status, Worker
+from saq import CronJob, Status, Worker
 from saq.queue.redis import RedisQueue
 from saq.types import Context
 
@@ -198,6 +213,43 @@ async def retry() -> None:
     emit(clock.result())
 
 
+async def tick(ctx: Context) -> None:
+    """The scheduled handler: report the tick named by the job's ``scheduled`` field."""
+    job = ctx["job"]
+    ran(float(job.scheduled), f"{job.key}@{job.scheduled}")
+
+
+async def cron_ready(ctx: Context) -> None:
+    say("ready")
+
+
+def cron_settings() -> dict[str, Any]:
+    """The settings SAQ's CLI runs in ``cron`` mode."""
+    return {
+        "queue": RedisQueue.from_url(ARGS.url, name=ARGS.queue),
+        "functions": [],
+        "cron_jobs": [CronJob(tick, cron=cron_fields(ARGS.every))],
+        "concurrency": ARGS.concurrency,
+        "startup": cron_ready,
+    }
+
+
+def cron() -> None:
+    if ARGS.role != "worker":
+        return
+    skew_clock()
+    if ARGS.uvloop:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    from saq.__main__ import main
+
+    # The CLI imports the settings by name: make that name this very module.
+    sys.modules["saq_peer"] = sys.modules["__main__"]
+    sys.argv = ["saq", "saq_peer.cron_settings"]
+    main()
+
+
 MODES = {
     "enqueue": enqueue,
     "drain": drain,
@@ -207,4 +259,7 @@ MODES = {
     "roundtrip": roundtrip,
     "retry": retry,
 }
-run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
+if ARGS.mode == "cron":
+    cron()
+else:
+    run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

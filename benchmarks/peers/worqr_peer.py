@@ -8,6 +8,14 @@ time and is woken early by the ``delayed`` event of each submit, so nothing poll
 ``done`` channel). ``retry`` submits with ``max_attempts`` and ``backoff=0`` and
 reads the failed list's length (`Worqr.statistics`) every few milliseconds.
 
+Schedules. ``cron --role setup`` stores the schedule once, ``schedule("tick",
+queue, "tick", every=--every)`` with every other option at its default; ``cron``
+(``--role worker``) is one process holding one `Worqr` (``Worqr.from_url``) that
+consumes the queue with ``concurrency=--concurrency``, as the README runs a worker:
+any worker that consumes a schedule's queue drives it, so there is no scheduler
+process. Each tick is a job whose id is ``tick@<tick in UTC ISO 8601>``, from which
+the tick is read back. The wall clock is offset by `skew_clock` first.
+
 The job modes, and ``worker`` with ``--buffered`` or ``--reply``, build their client
 with `Worqr.from_url`, as the README does (its pool waits for a connection when all
 are busy); the other modes keep the plain ``Redis.from_url`` client their published
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -28,10 +37,12 @@ from common import (
     due_times,
     emit,
     parse_args,
+    ran,
     round_trips,
     run,
     say,
     scheduled,
+    skew_clock,
     started,
 )
 from redis.asyncio import Redis
@@ -176,6 +187,39 @@ async def retry() -> None:
     emit(clock.result())
 
 
+SCHEDULE = "tick"
+
+
+def tick_of(job_id: str) -> float:
+    """The tick (Unix seconds) in a scheduled job's id, ``<name>@<UTC ISO 8601>``."""
+    stamp = job_id.rpartition("@")[2]
+    moment = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return moment.timestamp()
+
+
+async def cron() -> None:
+    skew_clock()
+    if ARGS.role == "setup":
+        async with Worqr.from_url(ARGS.url) as worqr:
+            await worqr.schedule(SCHEDULE, ARGS.queue, "tick", every=ARGS.every)
+        return
+    if ARGS.role != "worker":
+        return
+
+    async def handler(process: Process) -> None:
+        if process.job_id is None:  # not a scheduled run: off every tick's grid
+            ran(float("nan"), "task")
+            return
+        ran(tick_of(process.job_id), process.job_id)
+
+    async with Worqr.from_url(ARGS.url) as worqr:
+        consuming = asyncio.create_task(
+            worqr.consume(ARGS.queue, handler, concurrency=ARGS.concurrency)
+        )
+        say("ready")
+        await consuming
+
+
 MODES = {
     "enqueue": enqueue,
     "drain": drain,
@@ -185,5 +229,6 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "cron": cron,
 }
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
