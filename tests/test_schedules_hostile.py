@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 
 import anyio
 import anyio.lowlevel
@@ -159,11 +158,9 @@ async def test_a_missed_tick_of_every_queue_fires_at_once(
     async def handler(process: Process) -> None:
         ran.append(process.queue)
 
-    began = time.monotonic()
     async with (
         consuming(worker, handler, queue="q1"),
         consuming(worker, handler, queue="q2"),
         consuming(worker, handler, queue="q3"),
     ):
         await eventually(lambda: sorted(ran) == ["q1", "q2", "q3"], within=5)
-    assert time.monotonic() - began < 5

@@ -13,7 +13,6 @@ worker holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
@@ -21,7 +20,16 @@ from ._errors import CorruptDataError, InvalidProcessIdError, is_wrong_type, red
 from ._flow import Flow, read_flow
 from ._keys import TYPES, Keys
 from ._names import parse_process_id
-from ._ops import Client, Command, level_of_stored, live_score, members, reads, text
+from ._ops import (
+    Client,
+    Command,
+    fields_of,
+    level_of_stored,
+    live_score,
+    members,
+    reads,
+    text,
+)
 from ._schedules import Definition
 
 _SECOND_LOOK = 0.1  # seconds before a dangling id is confirmed
@@ -387,7 +395,7 @@ async def _setting_problems(r: Client, keys: Keys, state: _State) -> list[Proble
         for kind, queue, rest in state.settings
     ]
     (owners, *replies) = await reads(r, [("HGETALL", keys.schedules), *commands])
-    registry = {} if is_wrong_type(owners) else _mapping(owners)
+    registry = {} if is_wrong_type(owners) else fields_of(owners)
     problems = []
     for (kind, queue, rest), reply in zip(state.settings, replies, strict=True):
         if is_wrong_type(reply) or reply is None:
@@ -408,12 +416,6 @@ async def _setting_problems(r: Client, keys: Keys, state: _State) -> list[Proble
             key = keys.flow(queue) if kind == "flow" else keys.schedule(queue, rest)
             problems.append(Problem(what, str(exc), queue, key=key))
     return problems
-
-
-def _mapping(reply: Any) -> dict[str, str]:
-    """An HGETALL reply as a dict of str."""
-    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
-    return {text(k): text(v) for k, v in pairs}
 
 
 async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:

@@ -757,8 +757,7 @@ async def request_work(r: Client, keys: Keys, queue: str) -> int:
     1. LLEN high;  LLEN tasks;  LLEN low
     2. PUBLISH events work:<count>   (if count > 0; a bare work: if not all are normal)
     """
-    lengths = await reads(r, [("LLEN", level) for level in keys.levels(queue)])
-    _raise_wrong([("LLEN", level) for level in keys.levels(queue)], lengths)
+    lengths = await reads_checked(r, [("LLEN", level) for level in keys.levels(queue)])
     high, normal, low = (int(n) for n in lengths)
     if high or normal or low:
         await publish(r, keys, queue, "work", "" if high or low else str(normal))
@@ -1000,8 +999,7 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
     delayed = keys.delayed(queue)
 
     async def body(pipe: Pipeline) -> Promotion:
-        seconds, micros = await call(pipe, "TIME")
-        now = int(text(seconds)) * 1000 + int(text(micros)) // 1000
+        now = server_ms(await call(pipe, "TIME"))
         head, after = await _beside(
             pipe,
             [
@@ -1052,6 +1050,18 @@ def level_of_stored(task: str) -> str:
     """The priority level a stored task goes back to: its envelope's, else normal."""
     envelope = envelope_of(task)
     return "normal" if envelope is None else envelope.header.priority
+
+
+def server_ms(reply: Any) -> int:
+    """A ``TIME`` reply (seconds, microseconds) as Unix ms."""
+    seconds, micros = reply
+    return int(text(seconds)) * 1000 + int(text(micros)) // 1000
+
+
+def fields_of(reply: Any) -> dict[str, str]:
+    """An ``HGETALL`` reply as a dict of str, whether the client paired it."""
+    pairs = reply.items() if isinstance(reply, dict) else _pairs(reply)
+    return {text(k): text(v) for k, v in pairs}
 
 
 def _pairs(reply: Any) -> list[tuple[Any, Any]]:
@@ -1206,8 +1216,7 @@ async def job_record(
     raw = await read(r, "HGETALL", keys.job(queue, job_id))
     if not raw:
         return None
-    pairs = raw.items() if isinstance(raw, dict) else _pairs(raw)
-    fields = {text(k): text(v) for k, v in pairs}
+    fields = fields_of(raw)
     queued = True
     if locate and fields.get("state") == "queued" and "env" in fields:
         level = level_of_stored(fields["env"])
@@ -1446,7 +1455,7 @@ async def _dequeue_limited(
         nonlocal plain, levels, stamp
         sent = time.monotonic()
         clock, raw_flow = await _beside(pipe, [("TIME",), read_flow(keys, queue)])
-        now = int(text(clock[0])) * 1000 + int(text(clock[1])) // 1000
+        now = server_ms(clock)
         # The tasks move at EXEC, two round trips from now: the starts are scored at
         # the latest time that EXEC may run at (checked by the TIME inside it), never
         # earlier than they happen, so that no window ever counts one of them short.
@@ -1510,7 +1519,7 @@ async def _dequeue_limited(
         found = [task if isinstance(task, str | bytes) else None for task in tasks]
         taken = [pid for pid, task in zip(ids, found, strict=True) if task is not None]
         unused = [pid for pid, task in zip(ids, found, strict=True) if task is None]
-        ran = int(text(replies[-1][0])) * 1000 + int(text(replies[-1][1])) // 1000
+        ran = server_ms(replies[-1])
         if ran > stamp:  # EXEC ran later than its starts say (a stall): none of them counts
             await _undo(once, keys, queue, taken, held)
             await reads(r, [("SREM", held, *ids), ("ZREM", starts, *ids)])

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from ._connections import on_slot
-from ._errors import CorruptDataError, is_wrong_type, redis_boundary
+from ._errors import is_wrong_type, redis_boundary
 from ._flow import Flow, read_flow
 from ._keys import Keys
-from ._ops import Client, Command, _transaction, event, read
+from ._ops import Client, Command, _corrupt, _transaction, event, read
 
 
 async def _write(r: Client, keys: Keys, queue: str, commands: list[Command]) -> list[Any]:
@@ -69,4 +69,4 @@ async def get_flow(r: Client, keys: Keys, queue: str) -> Flow:
 
 def _refuse_wrong(replies: list[Any], key: str) -> None:
     if any(is_wrong_type(reply) for reply in replies):
-        raise CorruptDataError(f"{key} is of another type than worqr's layout gives it", key)
+        raise _corrupt(key)

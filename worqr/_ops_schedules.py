@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio.client import Pipeline
 
@@ -21,33 +20,23 @@ from ._ops import (
     _beside,
     _corrupt,
     _optimistic,
-    _pairs,
     _raise_wrong,
     _record_job,
     call,
     event,
+    fields_of,
     live_score,
     members,
     read,
     reads,
+    server_ms,
     text,
 )
-from ._schedules import MAX_MISFIRED, Definition
+from ._schedules import MAX_MISFIRED, Definition, counted_from
 
 SCHEDULE_EVENT = "schedule"
 """The event (``schedule:<name>``) telling a queue's workers that one of its
 schedules was stored or dropped: they read it again."""
-
-
-def _fields(reply: Any) -> dict[str, str]:
-    """An HGETALL reply as a dict of str."""
-    pairs = reply.items() if isinstance(reply, dict) else _pairs(reply)
-    return {text(k): text(v) for k, v in pairs}
-
-
-async def _server_ms(pipe: Pipeline) -> int:
-    seconds, micros = await call(pipe, "TIME")
-    return int(text(seconds)) * 1000 + int(text(micros)) // 1000
 
 
 @redis_boundary
@@ -103,7 +92,7 @@ async def store(
         _raise_wrong([("HGET", key)], [found])
         if found is not None and text(found) == raw and not kept:
             return False
-        now = await _server_ms(pipe)
+        now = server_ms(await call(pipe, "TIME"))
         since = kept.get("last") or (carried or {}).get("since") or now
         pipe.multi()
         pipe.execute_command("HSET", key, "def", raw, "since", since, *_flat(kept))
@@ -134,7 +123,7 @@ async def drop(r: Client, keys: Keys, queue: str, name: str) -> dict[str, str] |
 
     async def body(pipe: Pipeline) -> dict[str, str] | None:
         (raw,) = await _beside(pipe, [("HGETALL", key)])
-        state = None if is_wrong_type(raw) or not raw else _fields(raw)
+        state = None if is_wrong_type(raw) or not raw else fields_of(raw)
         pipe.multi()
         pipe.execute_command("DEL", key)
         pipe.execute_command("SREM", keys.queue_schedules(queue), name)
@@ -199,7 +188,7 @@ async def registry(r: Client, keys: Keys) -> dict[str, str]:
     (found,) = await reads(r, [("HGETALL", keys.schedules)])
     if is_wrong_type(found):
         raise _corrupt(keys.schedules)
-    return _fields(found)
+    return fields_of(found)
 
 
 @redis_boundary
@@ -213,7 +202,7 @@ async def read_schedules(r: Client, keys: Keys, where: Sequence[tuple[str, str]]
     for (name, queue), reply in zip(where, replies, strict=True):
         if is_wrong_type(reply) or not reply:
             continue
-        state = _fields(reply)
+        state = fields_of(reply)
         try:
             definition = Definition.loads(state.get("def", ""), keys.schedule(queue, name))
         except CorruptDataError:
@@ -276,17 +265,15 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
         clock, raw, kind = await _beside(
             pipe, [("TIME",), ("HGETALL", key), ("TYPE", keys.tasks(queue))]
         )
-        now = int(text(clock[0])) * 1000 + int(text(clock[1])) // 1000
+        now = server_ms(clock)
         _raise_wrong([("HGETALL", key)], [raw])
-        state = _fields(raw) if raw else {}
+        state = fields_of(raw) if raw else {}
         if "def" not in state:
             await pipe.reset()
             return Firing([], False, None, now)
         definition = Definition.loads(state["def"], key)
-        last = int(state["last"]) if state.get("last", "").isdigit() else 0
-        since = int(state["since"]) if state.get("since", "").isdigit() else now
         limit = MAX_MISFIRED if definition.misfire == "all" else 1
-        due = definition.ticks(max(last, since), now, limit)
+        due = definition.ticks(counted_from(state, now), now, limit)
         next_ms = definition.next_after(now)
         if not due:
             await pipe.reset()

@@ -20,6 +20,7 @@ from ._errors import BackendError, CorruptDataError
 from ._keys import Keys
 from ._log import PeerLog
 from ._ops import Client
+from ._schedules import counted_from
 
 _RELOAD = 10.0  # seconds between reads of a queue's schedules (missed events)
 _RETRY_AFTER_MS = 1000  # a failed look is tried again this much later
@@ -112,10 +113,8 @@ class Scheduler:
         for stored in found:
             if stored.definition is None:
                 continue  # check() reports it
-            state = stored.state
-            last = int(state["last"]) if state.get("last", "").isdigit() else 0
-            since = int(state["since"]) if state.get("since", "").isdigit() else 0
-            self._due[(queue, stored.name)] = stored.definition.next_after(max(last, since))
+            since = counted_from(stored.state, 0)
+            self._due[(queue, stored.name)] = stored.definition.next_after(since)
 
     async def _fire(self, queue: str, name: str) -> None:
         try:

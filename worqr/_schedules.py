@@ -173,6 +173,14 @@ class Definition:
         )
 
 
+def counted_from(state: dict[str, str], default: int) -> int:
+    """The time after which a schedule's ticks are still to be handled: the later of
+    ``since`` (its definition stored) and ``last`` (its latest tick handled), from its
+    stored record; ``default`` where the record holds neither."""
+    times = [int(state[f]) for f in ("since", "last") if state.get(f, "").isdigit()]
+    return max(times, default=default)
+
+
 def _aware(ms: int, zone: str) -> datetime.datetime:
     """Unix ms as an aware datetime in ``zone`` (ms kept)."""
     at = datetime.datetime.fromtimestamp(ms / 1000, _UTC)
