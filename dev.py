@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -25,6 +26,10 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   test   run pytest under coverage (ARGS go to pytest), then the coverage report
   lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
   demo   python -m worqr demo ARGS
+  install-check  pip install this checkout into a fresh venv; run worqr --version
+  long   the tests outside the suite's time budget (ARGS go to pytest): the quick
+         high-concurrency chaos run, the benchmark suite's and the Cluster benchmark's
+         quick runs
   thorough  the property tests at five times the suite's examples (ARGS go to pytest)
   chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)
   bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)
@@ -77,6 +82,28 @@ def lint(args: list[str]) -> int:
     return next((code for code in codes if code != 0), 0)
 
 
+def install_check(args: list[str]) -> int:
+    """Install this checkout the way README's Install section says (``pip install
+    /path/to/a/checkout``) into a fresh venv of its own, outside the repo, and run what
+    that installed: the ``worqr`` command and an import of the package and its testing
+    module. The venv is removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="worqr-install-") as place:
+        venv = Path(place) / "venv"
+        python, command = venv / "bin" / "python", venv / "bin" / "worqr"
+        steps = [
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(python), "-m", "pip", "install", "--quiet", str(ROOT)],
+            [str(command), "--version"],
+            [str(python), "-c", "import worqr, worqr.testing; print('imported', worqr.__file__)"],
+        ]
+        for step in steps:
+            print("==> " + " ".join(step), flush=True)
+            code = subprocess.run(step, cwd=place, check=False).returncode
+            if code != 0:
+                return code
+    return 0
+
+
 def demo(args: list[str]) -> int:
     """Run the worqr demo."""
     return run(PYTHON, "-m", "worqr", "demo", *args)
@@ -115,6 +142,11 @@ def thorough(args: list[str]) -> int:
     return subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
 
 
+def long(args: list[str]) -> int:
+    """Run the tests marked long, which the suite leaves out to keep CI short."""
+    return run(PYTHON, "-m", "pytest", "-m", "long", *args)
+
+
 def chaos(args: list[str]) -> int:
     """Run the chaos harness: faults injected into a real fleet, then the accounting."""
     return run(PYTHON, "-m", "benchmarks.chaos", *args)
@@ -124,6 +156,8 @@ VERBS = {
     "test": test,
     "lint": lint,
     "thorough": thorough,
+    "long": long,
+    "install-check": install_check,
     "demo": demo,
     "chaos": chaos,
     "bench": bench,

@@ -107,8 +107,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worqr import BackendUnavailableError, Process, Worqr
-from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
+from worqr.testing import EmbeddedServer
 
 from . import chaos_jobs
 from .chaos_jobs import Blame, JobTraffic

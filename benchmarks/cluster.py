@@ -41,9 +41,8 @@ from redis import Redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from worqr import Process, Worqr
-from worqr._deployments import EmbeddedCluster
-from worqr._embedded import EmbeddedServer, find_server_binary
 from worqr._keys import Keys
+from worqr.testing import EmbeddedCluster, EmbeddedServer, find_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"

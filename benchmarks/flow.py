@@ -45,7 +45,7 @@ from typing import Any
 from redis import Redis
 
 from benchmarks import suite
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 2
@@ -90,9 +90,9 @@ def _workers(url: str, prefix: str, policy: str, count: int) -> list[subprocess.
 
 def _collect(
     children: list[subprocess.Popen[str]], seconds: float, during: Any = None
-) -> list[tuple[float, str, int]]:
+) -> list[tuple[float, str, int, str]]:
     """Let the workers run ``seconds`` (calling ``during()`` every 0.1 s), stop them,
-    and return every start: (time, task, which worker)."""
+    and return every start: (time, task, which worker, process id)."""
     ends = time.monotonic() + seconds
     while time.monotonic() < ends:
         if during is not None:
@@ -105,8 +105,8 @@ def _collect(
         out, _ = child.communicate(timeout=30)
         for line in out.splitlines():
             if line.startswith("S "):
-                _, at, task, _ = line.split(" ", 3)
-                starts.append((float(at), task, index))
+                _, at, task, pid = line.split(" ", 3)
+                starts.append((float(at), task, index, pid))
     return sorted(starts)
 
 
@@ -147,7 +147,8 @@ def fairness(url: str, policy: str, starts_wanted: int) -> dict[str, Any]:
         assert child.stdout is not None
         child.stdout.readline()  # ready
     capacity = WORKERS * CONCURRENCY / (HANDLER_MS / 1000)
-    starts = _collect(children, max(1.0, 2.5 * starts_wanted / capacity))[:starts_wanted]
+    taken = _collect(children, max(1.0, 2.5 * starts_wanted / capacity))[:starts_wanted]
+    starts = [(at, task, who) for at, task, who, _ in taken]
     figures: dict[str, Any] = {"policy": policy, "starts": len(starts)}
     for level in ("high", "normal", "low"):
         mine = [(at, task, who) for at, task, who in starts if task.startswith(level)]
@@ -190,11 +191,15 @@ def rate_limit(url: str, seconds: float) -> dict[str, Any]:
 
     before = _commands(redis)
     began = time.time()
-    handled = [at for at, _, _ in _collect(children, seconds, look)]
+    ran_by = _collect(children, seconds, look)
+    handled = [at for at, _, _, _ in ran_by]
     ran = time.time() - began
     used = _commands(redis) - before
     redis.close()
-    starts = sorted(recorded.values())
+    # Entries of a dequeue whose EXEC ran too late leave the window at once (its tasks
+    # go back): only the processes that ran count as starts.
+    pids = {pid.encode() for _, _, _, pid in ran_by}
+    starts = sorted(at for pid, at in recorded.items() if pid in pids)
     return {
         "limit": LIMIT,
         "per": PER,
@@ -247,8 +252,8 @@ def ticks(url: str, seconds: float) -> dict[str, Any]:
     )
     subprocess.run([sys.executable, "-c", code, url, prefix], check=True, cwd=ROOT)
     starts = _collect(children, seconds)
-    late = [(at - _tick_of(job_id)) * 1000 for at, job_id, _ in starts]
-    ids = [job_id for _, job_id, _ in starts]
+    late = [(at - _tick_of(job_id)) * 1000 for at, job_id, _, _ in starts]
+    ids = [job_id for _, job_id, _, _ in starts]
     return {
         "every": TICK_EVERY,
         "ticks": len(starts),

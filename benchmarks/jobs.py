@@ -39,7 +39,7 @@ from redis import Redis
 
 from benchmarks import suite
 from benchmarks.suite import CONCURRENCY, Adapter, Results
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 LIBRARIES = ["worqr", "arq", "saq", "taskiq", "bullmq"]
 """RQ is left out: its forking worker runs one job at a time and starts a job seconds

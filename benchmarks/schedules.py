@@ -46,7 +46,7 @@ from redis import Redis
 from benchmarks import suite
 from benchmarks.jobs import clock_offset_ms, percentile, revision
 from benchmarks.suite import CONCURRENCY, PEERS_DIR, Adapter, Lines, Results
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 LIBRARIES = ["worqr", "arq", "saq", "bullmq", "rq"]
 WORKERS = 8

@@ -38,7 +38,7 @@ from typing import Any
 
 from redis import Redis
 
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = ROOT / "benchmarks" / "peers"
@@ -79,6 +79,12 @@ class Sizes:
 QUICK = Sizes(1, 5_000, 500, 2_000, 20_000, 200, 20.0, (10, 20), 3.0)
 FULL = Sizes(3, 20_000, 2_000, 10_000, 100_000, 500, 120.0, (25, 50, 100), 10.0)
 CONCURRENCY = 64
+PAYLOAD_BYTES = 200
+"""Each task's payload in the enqueue workloads, and so in the memory figure: a small
+JSON object (`payload` in peers/common.py), as real tasks carry, not a bare number."""
+COMMAND_CONCURRENCIES = (1, 16)
+"""worqr's drain is also counted at these concurrencies (commands per task depend on
+how many tasks one transaction takes and ends)."""
 
 
 @dataclass
@@ -277,6 +283,15 @@ def drain(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
     results.add(adapter.library, "commands_per_task", commands(redis) / n)
 
 
+def commands_at(adapter: Adapter, redis: Redis, n: int, concurrency: int, results: Results) -> None:
+    """Commands per task of a 1-process drain at ``concurrency``."""
+    redis.flushall()
+    fill(adapter, n)
+    redis.config_resetstat()
+    adapter.run("drain", "--expect", str(n), "--concurrency", str(concurrency), timeout=max(600, n))
+    results.add(adapter.library, f"commands_per_task_c{concurrency}", commands(redis) / n)
+
+
 def drain_two(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
     redis.flushall()
     fill(adapter, n)
@@ -294,23 +309,26 @@ def drain_two(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
 
 
 def enqueue(adapter: Adapter, redis: Redis, sizes: Sizes, results: Results) -> None:
+    sized = ("--payload-bytes", str(PAYLOAD_BYTES))
     redis.flushall()
-    out = adapter.run("enqueue", "--n", str(sizes.enqueue))
+    out = adapter.run("enqueue", "--n", str(sizes.enqueue), *sized)
     results.add(adapter.library, "enqueue_single", sizes.enqueue / out["seconds"])
     redis.flushall()
     before = int(redis.info("memory")["used_memory"])
-    out = adapter.run("enqueue", "--n", str(sizes.batch), "--batch")
+    out = adapter.run("enqueue", "--n", str(sizes.batch), "--batch", *sized)
     queued = sizes.batch
     if "unsupported" in out:
         results.note(adapter.library, f"no batch enqueue: {out['unsupported']}")
         redis.flushall()
         before = int(redis.info("memory")["used_memory"])
-        adapter.run("enqueue", "--n", str(sizes.enqueue))
+        adapter.run("enqueue", "--n", str(sizes.enqueue), *sized)
         queued = sizes.enqueue
     else:
         results.add(adapter.library, "enqueue_batch", sizes.batch / out["seconds"])
     after = int(redis.info("memory")["used_memory"])
-    results.add(adapter.library, "bytes_per_task", (after - before) / queued)
+    per_task = (after - before) / queued
+    results.add(adapter.library, "bytes_per_task", per_task)
+    results.add(adapter.library, "overhead_per_task", per_task - PAYLOAD_BYTES)
 
 
 def latency(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
@@ -403,6 +421,9 @@ def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[
                 n = sizes.slow_drain if library == "rq" else sizes.drain
                 try:
                     drain(adapter, redis, n, results)
+                    if library == "worqr":
+                        for concurrency in COMMAND_CONCURRENCIES:
+                            commands_at(adapter, redis, n, concurrency, results)
                     drain_two(adapter, redis, n, results)
                     enqueue(adapter, redis, sizes, results)
                     latency(adapter, redis, sizes.latency, results)
@@ -430,8 +451,15 @@ FIGURES = [
     ("latency_p50_ms", "Latency p50, idle worker (ms)", False),
     ("latency_p99_ms", "Latency p99, idle worker (ms)", False),
     ("recovery_s", "Recovery after SIGKILL (s)", False),
-    ("commands_per_task", "Redis commands per task (drain)", False),
-    ("bytes_per_task", "Redis memory per queued task (bytes)", False),
+    ("commands_per_task_c1", "Redis commands per task (drain, concurrency 1)", False),
+    ("commands_per_task_c16", "Redis commands per task (drain, concurrency 16)", False),
+    ("commands_per_task", f"Redis commands per task (drain, concurrency {CONCURRENCY})", False),
+    (
+        "bytes_per_task",
+        f"Redis memory per queued task, {PAYLOAD_BYTES}-byte payload (bytes)",
+        False,
+    ),
+    ("overhead_per_task", "Redis memory per queued task beyond its payload (bytes)", False),
 ]
 
 
@@ -485,8 +513,12 @@ SETTINGS = """\
 - Recovery: two idle workers; the one that starts the task is SIGKILLed; time until
   the other starts it, waiting at most {recovery_bound:g} s.
 - Commands per task: INFO commandstats over the 1-process drain, startup and
-  shutdown included. Memory: used_memory after the batched (else one-at-a-time)
-  enqueue, minus before, per task.
+  shutdown included, at concurrency {concurrency} for every library and also at 1
+  and 16 for worqr (one handler at a time, each task has a dequeue and a finish of
+  its own). Memory: used_memory after the batched (else one-at-a-time) enqueue,
+  minus before, per task; every enqueue workload gives each task a {payload}-byte
+  JSON payload (an id, a user, an action, a padded body), so that the figure is what
+  a real task costs; "beyond its payload" subtracts those {payload} bytes.
 - {repetitions} repetition(s) of everything; medians.
 """
 
@@ -635,7 +667,9 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
         "",
         "## Settings",
         "",
-        SETTINGS.format(concurrency=meta["concurrency"], **meta["sizes"]).rstrip(),
+        SETTINGS.format(
+            concurrency=meta["concurrency"], payload=PAYLOAD_BYTES, **meta["sizes"]
+        ).rstrip(),
         "",
         *(["## Notes from this run", "", *notes, ""] if notes else []),
     ]

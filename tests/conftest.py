@@ -1,7 +1,7 @@
-"""Shared fixtures: one real server per session (REDIS_URL overrides), one real
-3 + 3 Redis Cluster per session, started on first use (REDIS_CLUSTER_URL, a
-``redis://`` URL of one node, overrides), and one shared fakeredis server; each test
-gets a fresh key prefix."""
+"""Shared fixtures: one real server per session (``worqr_server`` of worqr.testing's
+pytest plugin; REDIS_URL overrides), one real 3 + 3 Redis Cluster per session, started
+on first use (REDIS_CLUSTER_URL, a ``redis://`` URL of one node, overrides), and one
+shared fakeredis server; each test gets a fresh key prefix."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ from redis.asyncio.cluster import RedisCluster
 
 from worqr import Worqr
 from worqr._connections import Client
-from worqr._embedded import EmbeddedServer, redis_url_or_embedded
+from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, Factory
+from .helpers import RELAXED, Factory
 from .proxy import LatencyProxy
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    with redis_url_or_embedded() as url:
-        yield url
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """``REDIS_URL`` if set, else the server of worqr's own pytest plugin."""
+    return os.environ.get("REDIS_URL") or str(request.getfixturevalue("worqr_url"))
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def cluster_url() -> Iterator[str]:
     if given:
         yield given
         return
-    from worqr._deployments import EmbeddedCluster
+    from worqr.testing import EmbeddedCluster
 
     with EmbeddedCluster() as cluster:
         yield cluster.url
@@ -109,7 +109,7 @@ async def peers_on(client: Client, prefix: str) -> AsyncIterator[Factory]:
 
     def factory(**options: Any) -> Worqr:
         redis = options.pop("redis", client)
-        worqr = Worqr(redis, **{"prefix": prefix, **FAST, **options})
+        worqr = Worqr(redis, **{"prefix": prefix, **RELAXED, **options})
         peers.append(worqr)
         return worqr
 

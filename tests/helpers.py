@@ -16,6 +16,10 @@ from worqr import Process, Worqr
 FAST = {"heartbeat_interval": 0.1, "worker_timeout": 0.5, "cleanup_interval": 0.1}
 """Short intervals so that supervision tests run in well under a second."""
 
+RELAXED = {**FAST, "worker_timeout": 5.0}
+"""``make()``'s default: FAST's checks, but a lease that a busy machine's stall cannot
+expire. A test whose claim is about expiry asks for ``make(**FAST)``."""
+
 Factory = Callable[..., Worqr]
 Handler = Callable[[Process], Awaitable[str | None]]
 

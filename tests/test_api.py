@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+import types
 import uuid
 
 import anyio
@@ -15,7 +19,11 @@ from .helpers import FAST, Factory, eventually
 
 
 def test_all_matches_public_exports() -> None:
-    public = {name for name in vars(worqr) if not name.startswith("_")}
+    public = {  # not subpackages (worqr.testing), nor pytest's assertion-rewrite helpers
+        name
+        for name, value in vars(worqr).items()
+        if not name.startswith(("_", "@")) and not isinstance(value, types.ModuleType)
+    }
     assert sorted(worqr.__all__) == worqr.__all__
     assert set(worqr.__all__) - {"__version__"} == public
     assert isinstance(worqr.__version__, str)
@@ -38,6 +46,9 @@ def test_process_is_frozen_and_positional() -> None:
 
 def test_worker_ids_are_unique_unless_given(client: Redis) -> None:
     assert Worqr(client).worker_id != Worqr(client).worker_id
+    host, pid, token = Worqr(client).worker_id.split(":")  # where it runs, and a random part
+    assert pid == str(os.getpid()) and re.fullmatch(r"[0-9a-f]{12}", token)
+    assert host == re.sub(r"[^A-Za-z0-9_.@-]", "-", socket.gethostname())[:64]
     assert Worqr(client, worker_id="host-1:42").worker_id == "host-1:42"
 
 

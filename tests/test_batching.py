@@ -14,9 +14,9 @@ from redis.asyncio import Redis
 
 from worqr import Process, Worqr, _ops
 from worqr._batch import GroupCommit
-from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
 from worqr._names import parse_process_id
+from worqr.testing import EmbeddedServer
 
 from .helpers import Factory, eventually, raw_keys
 

@@ -15,6 +15,7 @@ from benchmarks import suite
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_quick_suite_runs_every_worqr_workload(tmp_path: Path) -> None:
     code = suite.main(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks import flow
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 
 def test_windows_are_counted_half_open() -> None:

@@ -15,7 +15,7 @@ from redis import Redis
 from benchmarks import schedules
 from benchmarks.schedules import BEGIN, END, Chaos, Run, grid_phase, tally, with_section
 from benchmarks.suite import PEERS_DIR, Adapter
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 
 def runs(*pairs: tuple[float, float]) -> list[Run]:

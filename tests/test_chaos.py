@@ -61,7 +61,11 @@ def chaos(*flags: str, timeout: float) -> tuple[list[str], dict[str, Any]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("flags", "min_kills"),
-    [((), 10), (("--proxy",), 5), (("--high-concurrency",), 5)],
+    [
+        ((), 10),
+        (("--proxy",), 5),
+        pytest.param(("--high-concurrency",), 5, marks=pytest.mark.long),
+    ],
     ids=["default", "proxy", "high-concurrency"],
 )
 def test_quick_chaos_run_loses_nothing_and_leaves_nothing(

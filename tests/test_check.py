@@ -33,6 +33,7 @@ async def test_a_busy_healthy_system_checks_clean(make: Factory) -> None:
         await eventually(lambda: len(done) == 2)
         report = await producer.check()
         assert report.ok and report.problems == () and not report.repaired
+        assert not (await producer.check(repair=True)).repaired  # nothing to repair
         tg.cancel_scope.cancel()
     assert (await producer.check()).ok
 

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from worqr import JobFailedError, JobStatus, Process, Retry, Worqr, _ops
+from worqr import JobFailedError, JobStatus, Process, Retry, Worqr, _check, _ops
 from worqr._ops import Client
 
 from .helpers import Factory, eventually
@@ -73,6 +73,19 @@ async def test_a_live_index_entry_without_record_is_dropped_and_the_id_usable_ag
     assert (await worqr.check()).ok
     job = await worqr.submit("jobs", "x", job_id="ghost")
     assert await job.status() == JobStatus.QUEUED
+
+
+async def test_a_job_submitted_while_check_reads_is_no_dangling_entry(
+    make: Factory, client: Client, prefix: str
+) -> None:
+    worqr = make()
+    await worqr.submit("jobs", "x", job_id="new")
+    # As the SCAN that ran before the submit saw it: an index entry, no record yet.
+    looked = await _check._dangling(client, worqr._keys, [("jobs", "new"), ("jobs", "gone")])
+    assert looked == []  # "gone" is not indexed either: nothing dangles
+    await client.zadd(f"{prefix}:q:{{jobs}}:jobs", {"gone": float("inf")})
+    looked = await _check._dangling(client, worqr._keys, [("jobs", "new"), ("jobs", "gone")])
+    assert looked == [("jobs", "gone")]
 
 
 async def test_a_job_whose_envelope_was_removed_by_hand_ends_failed_and_wakes_its_waiter(

@@ -6,8 +6,10 @@ docs/cli.md is rendered here from a real session, so it never drifts: run with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
 import re
 import shlex
 import subprocess
@@ -18,10 +20,11 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
+import worqr
 from worqr import Process, Worqr
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, eventually
+from .helpers import FAST, consuming, eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).parent / "worqr"
@@ -71,11 +74,22 @@ def test_read_verbs_have_stable_json(server: EmbeddedServer) -> None:
             }
         ],
     }
-    assert json.loads(worqr_cli("check", "--json", url=url).stdout) == {
-        "ok": True,
-        "repaired": False,
-        "problems": [],
-    }
+    for repair in ([], ["--repair"]):  # nothing wrong: nothing repaired
+        assert json.loads(worqr_cli("check", "--json", *repair, url=url).stdout) == {
+            "ok": True,
+            "repaired": False,
+            "problems": [],
+        }
+
+
+def test_enqueue_from_stdin_skips_blank_lines(server: EmbeddedServer) -> None:
+    """A blank line (a trailing newline twice, CRLF endings, spaces) is no task."""
+    result = worqr_cli(
+        "enqueue", "lines", "--stdin", "--json", stdin="a\n\n  \r\nb\r\n\n c \n", url=server.url
+    )
+    assert json.loads(result.stdout) == {"enqueued": 3}
+    tasks = json.loads(worqr_cli("tasks", "lines", "--json", url=server.url).stdout)
+    assert tasks == ["a", "b", " c "]
 
 
 def test_enqueue_from_stdin_in_batches_and_unique(server: EmbeddedServer) -> None:
@@ -98,7 +112,13 @@ def test_enqueue_from_stdin_in_batches_and_unique(server: EmbeddedServer) -> Non
     [
         (["tasks", "unknown"], 1, "unknown queue 'unknown'"),
         (["failed", "unknown"], 1, "unknown queue"),
-        (["delete", "unknown"], 1, "unknown queue"),
+        (["failed", "jobs", "--drop", "not-an-id"], 2, "16 hex digits"),
+        (["failed", "jobs", "--drop", "0123456789abcdef", "--clear"], 2, "not allowed with"),
+        (["failed", "jobs", "--drop", "0123456789abcdef"], 1, "no failed entry"),
+        (["retry", "jobs", "0123456789abcdef"], 1, "not retried: no such entry"),
+        (["retry", "jobs", "0123456789abcdef", "--all"], 2, "an ID or --all, not both"),
+        (["--url", "http://localhost:1", "queues"], 2, "redis+cluster://host:port"),
+        (["--url", "localhost:6379", "queues"], 2, "has no scheme"),
         (["tasks", "bad{name"], 2, "must not contain"),
         (["tasks", "jobs", "--limit", "zero"], 2, "must be a whole number, got 'zero'"),
         (["tasks", "jobs", "--limit", "0"], 2, "must be at least 1"),
@@ -112,7 +132,10 @@ def test_enqueue_from_stdin_in_batches_and_unique(server: EmbeddedServer) -> Non
 def test_bad_input_exit_codes(
     server: EmbeddedServer, args: list[str], code: int, says: str
 ) -> None:
-    result = worqr_cli(*args, url=server.url)
+    if args[0] != "--url":
+        args = ["--url", server.url, *args]
+    assert worqr_cli("enqueue", "jobs", "a", url=server.url).returncode == 0
+    result = worqr_cli(*args)
     assert result.returncode == code, result.stderr
     assert says in result.stderr
     if code == 1:
@@ -188,6 +211,53 @@ async def test_reclaim_prints_what_came_back(server: EmbeddedServer, raw: Redis)
     assert await raw.lrange("worqr:q:{jobs}:tasks", 0, -1) == ["t1", "t2"]
 
 
+def test_version() -> None:
+    result = worqr_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"worqr {worqr.__version__}"
+
+
+async def test_failed_entries_are_listed_with_ids_and_retried_dropped_or_cleared(
+    server: EmbeddedServer,
+) -> None:
+    async with Worqr.from_url(server.url) as peer:
+
+        async def fail(process: Process) -> None:
+            raise RuntimeError("no")
+
+        await peer.enqueue("reports", ["a", "b", "c", "d"])
+        async with consuming(peer, fail, queue="reports"):
+
+            async def all_failed() -> bool:
+                return len(await peer.get_failed("reports")) == 4
+
+            await eventually(all_failed, within=10)
+        ids = [entry.id for entry in await peer.get_failed("reports")]
+        listed = json.loads(worqr_cli("failed", "reports", "--json", url=server.url).stdout)
+        assert [entry["id"] for entry in listed] == ids
+        assert ids[0] in worqr_cli("failed", "reports", url=server.url).stdout  # the ID column
+        retried = worqr_cli("retry", "reports", ids[2], "--json", url=server.url)
+        assert json.loads(retried.stdout) == {"retried": 1}
+        dropped = worqr_cli("failed", "reports", "--drop", ids[1], url=server.url)
+        assert dropped.returncode == 0 and ids[1] in dropped.stdout
+        assert worqr_cli("failed", "reports", "--drop", ids[1], url=server.url).returncode == 1
+        assert await peer.get_tasks("reports") == ["c"]
+        cleared = worqr_cli("failed", "reports", "--clear", "--json", url=server.url)
+        assert json.loads(cleared.stdout) == {"cleared": 2}
+        assert await peer.get_failed("reports") == []
+
+
+async def test_delete_of_an_unknown_queue_succeeds_as_the_api_does(
+    server: EmbeddedServer,
+) -> None:
+    async with Worqr.from_url(server.url) as peer:
+        await peer.delete_queue("never-seen")  # the API: no error
+    result = worqr_cli("delete", "never-seen", "--json", url=server.url)
+    assert result.returncode == 0
+    assert json.loads(result.stdout) == {"deleted": "never-seen", "known": False}
+    assert "not registered" in worqr_cli("delete", "never-seen", url=server.url).stdout
+
+
 async def test_watch_draws_and_stops(server: EmbeddedServer) -> None:
     async with Worqr.from_url(server.url) as worqr:
         await worqr.enqueue("jobs", ["a", "b", "c"])
@@ -195,8 +265,30 @@ async def test_watch_draws_and_stops(server: EmbeddedServer) -> None:
             lambda: worqr_cli("watch", "--iterations", "2", "--interval", "0.1", url=server.url)
         )
     assert result.returncode == 0
-    assert result.stdout.count("\x1b[H\x1b[2J") == 2
+    assert "\x1b" not in result.stdout  # into a pipe: plain text, one view after another
+    assert result.stdout.count("worqr watch  prefix=worqr") == 2
     assert re.search(r"jobs\s+3\s+0\s+0", result.stdout)
+
+
+def test_watch_redraws_in_place_on_a_terminal(server: EmbeddedServer) -> None:
+    leader, follower = pty.openpty()
+    try:
+        command = [str(SCRIPT), "--url", server.url, "watch", "--iterations", "2"]
+        child = subprocess.run(
+            [*command, "--interval", "0.1"], stdout=follower, timeout=60, check=False
+        )
+        os.close(follower)
+        follower = -1
+        drawn = b""
+        with contextlib.suppress(OSError):  # EIO once the terminal's writer is gone
+            while chunk := os.read(leader, 65536):
+                drawn += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert child.returncode == 0
+    assert drawn.count(b"\x1b[H\x1b[2J") == 2
 
 
 # -- docs/cli.md ----------------------------------------------------------------------------
@@ -238,6 +330,7 @@ VERB_DOCS = [
 def normalize(text: str) -> str:
     """Replace what changes from run to run: process tokens, ages, times."""
     text = re.sub(r"/[0-9a-f]{22}/", "/18f2a3c4d5e6f7a8000001/", text)
+    text = re.sub(r"\b[0-9a-f]{16}\b", "5f0c6a2e9b1d4873", text)  # failed entries' ids
     text = re.sub(r'("(?:age|heartbeat_age)": )[0-9.]+', r"\g<1>0.1", text)
     text = re.sub(r'("failed_at": )[0-9.]+', r"\g<1>1767225600.0", text)
     text = re.sub(r'("(?:last|next)_tick": )[0-9.]+', r"\g<1>1767236400.0", text)

@@ -17,8 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import JobFailedError, JobStatus, Process, Worqr
-from worqr._embedded import EmbeddedServer
 from worqr._envelope import unwrap
+from worqr.testing import EmbeddedServer
 
 from .helpers import eventually
 from .test_cli import DOC, QUIET, worqr_cli
@@ -88,11 +88,54 @@ async def test_submit_without_an_id_makes_one_and_unique_refuses_a_live_duplicat
     assert again.returncode == 1
     unique_id = first.stdout.strip()
     assert (
-        again.stderr == f"worqr: error: job {unique_id!r} is already queued, delayed or running\n"
+        again.stderr
+        == f"worqr: error: job {unique_id!r} is already queued, delayed, running or waiting\n"
     )
     taken = await cli_async(redis_url, prefix, "submit", QUEUE, "other", "--id", made)
     assert taken.returncode == 1 and "already queued" in taken.stderr
     assert len(await peer.get_tasks(QUEUE)) == 2  # nothing written by the refusals
+
+
+async def test_submit_after_waits_for_its_dependencies(
+    redis_url: str, prefix: str, peer: Worqr
+) -> None:
+    for job_id in ("first", "second"):
+        assert (await cli_async(redis_url, prefix, "submit", QUEUE, job_id, "--id", job_id)).stdout
+    waits = await cli_async(
+        redis_url,
+        prefix,
+        "submit",
+        QUEUE,
+        "last",
+        "--id",
+        "last",
+        "--after",
+        "first",
+        "--after",
+        "second",
+    )
+    assert (waits.returncode, waits.stdout, waits.stderr) == (0, "last\n", "")
+    shown = json.loads((await cli_async(redis_url, prefix, "job", QUEUE, "last", "--json")).stdout)
+    assert (shown["status"], shown["after"]) == ("waiting", ["first", "second"])
+    table = (await cli_async(redis_url, prefix, "job", QUEUE, "last")).stdout
+    assert "waits for" in table and "first second" in table
+    unknown = await cli_async(redis_url, prefix, "submit", QUEUE, "x", "--after", "nope")
+    assert unknown.returncode == 1
+    assert unknown.stderr == (
+        "worqr: error: no job 'nope' in 'jobs' to wait for (never submitted, deleted, or its"
+        " outcome expired)\n"
+    )
+    ran: list[str] = []
+
+    async def handler(process: Process) -> str:
+        ran.append(process.task)
+        return process.task
+
+    async def body() -> None:
+        assert await peer.job(QUEUE, "last").result(timeout=10) == "last"
+
+    await consuming(peer, handler, body)
+    assert ran[-1] == "last" and sorted(ran) == ["first", "last", "second"]
 
 
 async def test_a_payload_that_looks_like_an_option_follows_a_double_dash(
@@ -233,8 +276,10 @@ async def test_job_shows_status_attempts_and_outcome(
         "enqueued_at",
         "due_at",
         "finished_at",
+        "after",
     }
     assert (bad["id"], bad["queue"], bad["status"], bad["attempts"]) == ("bad", QUEUE, "failed", 1)
+    assert bad["after"] == []
     assert (bad["error"], bad["result"], bad["due_at"]) == ("RuntimeError: no\nway", None, None)
     assert bad["enqueued_at"] <= bad["finished_at"]
     text = await cli_async(redis_url, prefix, "job", QUEUE, "bad")

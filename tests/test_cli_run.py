@@ -469,18 +469,28 @@ def test_run_without_command_is_a_usage_error(redis_url: str, prefix: str, argv:
     assert result.stderr.startswith("worqr: error:") and "COMMAND" in result.stderr
 
 
-async def test_command_not_found_fails_each_task_and_the_worker_goes_on(
+async def test_a_command_gone_after_start_fails_each_task_and_the_worker_goes_on(
     redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
 ) -> None:
-    missing = str(tmp_path / "no-such-program")
-    await peer.enqueue(QUEUE, ["a", "b"])
-    async with worqr_run(redis_url, prefix, tmp_path, [missing, "--flag"]) as run:
+    """A COMMAND missing at start is refused before any task is taken
+    (tests/test_cli_worker.py); one removed later fails each task, saying why."""
+    missing = tmp_path / "soon-gone"
+    missing.write_text("#!/bin/sh\n")
+    missing.chmod(0o755)
+    async with worqr_run(redis_url, prefix, tmp_path, [str(missing), "--flag"]) as run:
+
+        async def registered() -> bool:
+            return bool(await peer.get_workers())
+
+        await eventually(registered)
+        missing.unlink()
+        await peer.enqueue(QUEUE, ["a", "b"])
 
         async def both_failed() -> bool:
             return len(await peer.get_failed(QUEUE)) == 2
 
         await eventually(both_failed)
-        error = f"CommandFailed: cannot start {missing!r}: No such file or directory"
+        error = f"CommandFailed: cannot start {str(missing)!r}: No such file or directory"
         assert [(f.task, f.error) for f in await peer.get_failed(QUEUE)] == [
             ("a", error),
             ("b", error),

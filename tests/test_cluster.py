@@ -19,10 +19,9 @@ from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
 from worqr import BackendError, BackendUnavailableError, Worqr
-from worqr._deployments import EmbeddedCluster
-from worqr._embedded import EmbeddedServer
 from worqr._errors import redis_boundary
 from worqr._keys import Keys
+from worqr.testing import EmbeddedCluster, EmbeddedServer
 
 from .helpers import FAST, eventually, reap
 from .test_cli import worqr_cli

@@ -13,6 +13,7 @@ from benchmarks import cluster
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_tiny_run_writes_every_row(tmp_path: Path) -> None:
     argv = ["--quick", "--tasks", "300", "--queues", "6", "--workers", "1", "--out", str(tmp_path)]
     assert cluster.main(argv) == 0

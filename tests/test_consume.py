@@ -12,7 +12,8 @@ from redis.asyncio import Redis
 
 from worqr import BackendUnavailableError, Process, Worqr, _ops
 
-from .helpers import Factory, eventually
+from .helpers import FAST, Factory, eventually
+from .proxy import LatencyProxy
 
 
 def holding(started: anyio.Event) -> Callable[[Process], Awaitable[None]]:
@@ -225,7 +226,7 @@ async def test_caller_cancellation_hands_running_tasks_back_to_front(make: Facto
 
 
 async def test_persistent_task_moves_to_a_live_peer_when_its_worker_dies(make: Factory) -> None:
-    first, second = make(), make()
+    first, second = make(**FAST), make(**FAST)
     holders: list[str] = []
 
     def persistent(name: str):  # type: ignore[no-untyped-def]
@@ -248,7 +249,7 @@ async def test_persistent_task_moves_to_a_live_peer_when_its_worker_dies(make: F
 
 
 async def test_blocked_event_loop_fences_the_late_finish(make: Factory) -> None:
-    worker = make()
+    worker = make(**FAST)
     lost: list[str] = []
     await worker.on("jobs", lambda kind, message: lost.append(message) if kind == "lost" else None)
     runs: list[str] = []
@@ -390,3 +391,45 @@ async def test_process_taken_away_from_a_live_worker_is_reported_lost(make: Fact
     assert await peer.finish_process(process.id)  # gone from Redis behind its back
     await eventually(lambda: lost == [process.id], within=3)
     assert worker.worker_id in await peer.get_workers()  # no lease was lost
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.003], ids=["loopback", "3ms"])
+async def test_a_worker_back_from_a_stall_starts_nothing_its_lease_may_not_cover(
+    real_make: Factory, proxy: LatencyProxy, delay: float
+) -> None:
+    """A worker stalled past worker_timeout while idle (SIGSTOP, a blocked loop) wakes
+    with a lapsed lease, before its heartbeat loop has noticed. Work announced then must
+    not start under it: its own recovery (or a peer) hands back what it holds, and the
+    task would run twice. The stall is forced by hand: the last refresh set 10 s back,
+    the heartbeat slow enough that the work event comes first. The task runs once,
+    after the worker re-registered."""
+    proxy.delay = delay
+    slow = Redis.from_url(proxy.url, decode_responses=True)
+    timing = {"heartbeat_interval": 1.0, "worker_timeout": 3.0, "cleanup_interval": 1.0}
+    stalled, producer = real_make(redis=slow, **timing), real_make(redis=slow, **timing)
+    runs: list[float] = []
+    recovered: list[float] = []
+
+    async def handler(process: Process) -> None:
+        runs.append(time.monotonic())
+        await anyio.sleep(1.5)  # still running when a lapsed lease would be found out
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: stalled.consume("jobs", handler))
+        await eventually(lambda: "jobs" in stalled._working)
+        supervisor = stalled._supervisor
+        assert supervisor is not None
+        supervisor._last_refresh -= 10  # as after a 10 s SIGSTOP
+        await producer.enqueue("jobs", "t")
+
+        async def ended() -> bool:
+            if not supervisor.overdue() and not recovered:
+                recovered.append(time.monotonic())
+            return len(runs) >= 1 and not await producer.get_processes("jobs")
+
+        await eventually(ended, within=10)
+        await anyio.sleep(0.5)  # a second run would show
+        tg.cancel_scope.cancel()
+    assert len(runs) == 1
+    assert recovered and runs[0] >= recovered[0] - 0.05  # not before its lease was renewed
+    assert await producer.get_tasks("jobs") == []

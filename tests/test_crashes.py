@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, eventually, raw_keys, reap
 

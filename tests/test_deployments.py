@@ -12,8 +12,13 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
-from worqr._deployments import EmbeddedCluster, EmbeddedSentinel, find_cli_binary
-from worqr._embedded import EmbeddedServer, find_server_binary
+from worqr.testing import (
+    EmbeddedCluster,
+    EmbeddedSentinel,
+    EmbeddedServer,
+    find_cli_binary,
+    find_server_binary,
+)
 
 pytestmark = pytest.mark.slow
 

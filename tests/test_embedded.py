@@ -13,9 +13,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worqr import _embedded
-from worqr._embedded import EmbeddedServer, find_server_binary, free_port
 from worqr._errors import ServerStartError
+from worqr.testing import EmbeddedServer, _server, find_server_binary, free_port
 
 
 def raw_ping(port: int) -> bytes:
@@ -108,7 +107,7 @@ def test_port_collision_retries_with_a_new_port(
     busy_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ports = iter([busy_port])
-    monkeypatch.setattr(_embedded, "free_port", lambda: next(ports, None) or free_port())
+    monkeypatch.setattr(_server, "free_port", lambda: next(ports, None) or free_port())
     with EmbeddedServer() as server:
         assert server.port != busy_port
         assert raw_ping(server.port) == b"+PONG"
@@ -145,7 +144,7 @@ def test_no_binary_at_all_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_stop_escalates_to_sigkill(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_embedded, "_STOP_TIMEOUT", 0.2)
+    monkeypatch.setattr(_server, "_STOP_TIMEOUT", 0.2)
     with EmbeddedServer() as server:
         assert server.pid is not None
         os.kill(server.pid, signal.SIGSTOP)  # a stopped process cannot act on SIGTERM
@@ -154,7 +153,7 @@ def test_stop_escalates_to_sigkill(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_server_that_never_answers_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_embedded, "_START_TIMEOUT", 0.3)
+    monkeypatch.setattr(_server, "_START_TIMEOUT", 0.3)
     monkeypatch.setattr(EmbeddedServer, "_answers_ping", lambda self, pid: False)
     server = EmbeddedServer()
     with pytest.raises(ServerStartError, match="did not answer PING"):

@@ -14,9 +14,9 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Worqr
-from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
 from worqr._ops import DONE_FIELD_LIMIT, done_messages, done_record
+from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, Factory, eventually
 

@@ -29,9 +29,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worqr import Process, ReplicationError, Worqr, WorqrError
-from worqr._deployments import EmbeddedCluster, EmbeddedSentinel
-from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
+from worqr.testing import EmbeddedCluster, EmbeddedSentinel, EmbeddedServer
 
 from .helpers import eventually
 

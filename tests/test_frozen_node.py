@@ -30,10 +30,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from worqr import Process, Worqr, WorqrError
-from worqr._deployments import EmbeddedCluster, EmbeddedSentinel
-from worqr._embedded import EmbeddedServer
 from worqr._events import DETECTION_BOUND
 from worqr._keys import Keys
+from worqr.testing import EmbeddedCluster, EmbeddedSentinel, EmbeddedServer
 
 from .helpers import eventually
 

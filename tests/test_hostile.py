@@ -220,7 +220,7 @@ async def test_repairing_a_live_heartbeat_without_expiry_costs_its_worker_nothin
     """Another client PERSISTed a live worker's heartbeat: check() reports it, and the
     repair gives it an expiry back rather than deleting it (which would fence the
     worker and run its task twice)."""
-    worker = make()
+    worker = make(**FAST)
     runs: list[str] = []
     release = anyio.Event()
 

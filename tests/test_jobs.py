@@ -134,6 +134,7 @@ def test_retry_carries_its_delay() -> None:
 
 def test_job_status_is_a_str_enum_with_the_wire_names() -> None:
     assert [s.value for s in JobStatus] == [
+        "waiting",
         "queued",
         "delayed",
         "running",

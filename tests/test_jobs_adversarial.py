@@ -41,9 +41,9 @@ from worqr import (
     Retry,
     Worqr,
 )
-from worqr._embedded import EmbeddedServer
 from worqr._envelope import MARKER
 from worqr._names import new_process_id
+from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, Factory, eventually, raw_keys
 from .helpers import consuming as consuming_queue

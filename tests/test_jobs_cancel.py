@@ -4,12 +4,13 @@ overwrite a new one submitted under the same id."""
 
 from __future__ import annotations
 
-import anyio
+import time
+
 import pytest
 
 from worqr import JobFailedError, JobStatus, Process, Worqr
 
-from .helpers import Factory
+from .helpers import Factory, eventually
 
 
 async def _running(make: Factory, job_id: str) -> tuple[Worqr, Process]:
@@ -103,14 +104,22 @@ async def test_a_dead_workers_overdue_attempt_goes_back_and_is_no_attempt(
     make: Factory,
 ) -> None:
     producer = make()
-    dying = make(heartbeat_interval=0.1, worker_timeout=0.3)
+    # A timeout long enough that a busy machine does not expire the lease before the
+    # dequeue; the wait below is for the state, not a fixed time.
+    dying = make(heartbeat_interval=0.2, worker_timeout=1.0)
     job = await producer.submit("q", "payload", timeout=0.05)
     await dying.start_worker()
     await dying.start_work("q")
     held = await dying.dequeue("q")
     assert held is not None and held.attempt == 1
     await dying.close()  # no hand-back, as after a crash
-    await anyio.sleep(0.6)  # past the heartbeat and past the deadline (timeout + grace)
+    started = time.monotonic()
+
+    async def dead_and_overdue() -> bool:  # the heartbeat gone, the deadline passed
+        beats = {w.id: w.heartbeat_age for w in await producer.get_worker_info()}
+        return beats.get(dying.worker_id) is None and time.monotonic() - started > 1.1
+
+    await eventually(dead_and_overdue, within=10)
     await producer.cleanup_workers()
     info = await job.info()
     assert info is not None and (info.status, info.attempts) == (JobStatus.QUEUED, 0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import anyio
 import pytest
@@ -72,20 +71,6 @@ async def test_a_handler_that_swallows_its_cancellation_is_cancelled_again(
             assert swallowed.is_set()
             assert await peer.get_tasks("q") == ["t"]  # handed back
             assert await peer.get_workers() == []
-
-
-async def test_a_handler_that_is_not_async_fails_its_attempt_saying_so(make: Factory) -> None:
-    worker = make()
-
-    def handler(process: Process) -> Any:
-        return "not awaitable"
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.consume, "q", handler)
-        job = await worker.submit("q", "x")
-        with pytest.raises(JobFailedError, match="handler must be an async function"):
-            await job.result(timeout=10)
-        tg.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("job_id", ["", "has space", "x" * 129, "ümlaut"])

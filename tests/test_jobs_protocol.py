@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from worqr import Backoff, JobFailedError, JobStatus, Process, ProtocolVersionEr
 from worqr._connections import Client
 from worqr._envelope import MARKER, Header, unwrap, wrap
 
-from .helpers import FAST, Factory, eventually, raw_keys
+from .helpers import FAST, RELAXED, Factory, eventually, raw_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 Q = "jobs"
@@ -290,7 +291,10 @@ async def test_the_envelope_record_and_index_of_a_job(
         "e": header["e"],
     }
     assert before - EPS_MS <= header["e"] <= after + EPS_MS
-    assert await real_client.hgetall(key(prefix, "j:wire-1")) == {
+    record = await real_client.hgetall(key(prefix, "j:wire-1"))
+    life = record.pop("life")
+    assert re.fullmatch(r"[0-9a-f]{16}", life)  # this life's token
+    assert record == {
         "env": stored,
         "state": "queued",
         "attempts": "0",
@@ -309,9 +313,10 @@ async def test_the_envelope_record_and_index_of_a_job(
         tg.start_soon(worker.consume, Q, handler)
         assert await job.result(timeout=10) == "the result"
         tg.cancel_scope.cancel()
-    record = await real_client.hgetall(key(prefix, "j:wire-1"))
-    finished = int(record["finished"])
-    assert record == {
+    ended = await real_client.hgetall(key(prefix, "j:wire-1"))
+    finished = int(ended["finished"])
+    assert ended.pop("life") == life  # the end keeps the life's token
+    assert ended == {
         "state": "done",
         "attempts": "1",
         "max": "3",
@@ -390,7 +395,7 @@ async def test_the_deadline_of_a_running_attempt(
         await eventually(lambda: len(held) == 1)
         after = await server_ms(real_client)
         deadlines = await real_client.zrange(key(prefix, "deadlines"), 0, -1, withscores=True)
-        grace = round(FAST["worker_timeout"] * 1000)
+        grace = round(RELAXED["worker_timeout"] * 1000)  # make()'s
         ((pid, deadline),) = deadlines
         assert pid == held[0]
         assert before + 5000 + grace - EPS_MS <= deadline <= after + 5000 + grace + EPS_MS

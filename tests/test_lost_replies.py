@@ -12,7 +12,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from worqr import BackendUnavailableError, Worqr
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, raw_keys
 from .proxy import LatencyProxy

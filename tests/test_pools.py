@@ -27,9 +27,8 @@ from worqr._connections import (
     WaitingPool,
     WaitingSentinelPool,
 )
-from worqr._deployments import EmbeddedSentinel
-from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
+from worqr.testing import EmbeddedSentinel, EmbeddedServer
 
 from .helpers import eventually
 

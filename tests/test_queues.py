@@ -118,7 +118,7 @@ async def test_unique_mark_survives_stop_and_reclaim(make: Factory) -> None:
 
 
 async def test_late_finish_after_reclaim_keeps_the_unique_mark(make: Factory) -> None:
-    worker, peer = make(), make()
+    worker, peer = make(), make()  # the reclaim is called by hand
     await worker.start_worker()
     await worker.start_work("jobs")
     await worker.enqueue("jobs", "u", unique=True)

@@ -221,6 +221,9 @@ async def test_delete_queue_gets_through_on_a_busy_queue(
         for child in fleet:
             assert child.stdout is not None
             await anyio.to_thread.run_sync(child.stdout.readline)
+        # "started" comes before consume: a worker that begins its work after the delete
+        # works on the queue's next life, and rightly goes on.
+        await eventually(lambda: _all_working(worqr, len(fleet)), within=60)
         await eventually(lambda: _drained_some(worqr, 100_000 - 2_000), within=60)
         await worqr.delete_queue("busy")  # every WATCHed attempt aborted before
         for child in fleet:  # each worker's consume ends on the delete event
@@ -232,6 +235,12 @@ async def test_delete_queue_gets_through_on_a_busy_queue(
     assert [k for k in state if ":q:{busy}:" in k] == []
     assert "busy" not in await worqr.get_queues()
     assert (await worqr.check()).ok
+
+
+async def _all_working(worqr: Worqr, count: int) -> bool:
+    workers = await worqr.get_workers()
+    working = [await worqr.get_working_queues(worker_id) for worker_id in workers]
+    return sum("busy" in queues for queues in working) == count
 
 
 async def _drained_some(worqr: Worqr, below: int) -> bool:
@@ -255,7 +264,7 @@ async def test_delete_queue_never_leaves_tasks_in_an_unregistered_queue(
 
 
 async def test_concurrent_consume_calls_start_one_supervisor(make: Factory) -> None:
-    worqr = make()
+    worqr = make(**FAST)
 
     async def handler(process: Process) -> None:
         pass
@@ -355,7 +364,7 @@ async def test_consume_racing_a_fail_or_stop_never_runs_unsupervised(
     """Whatever the interleaving: consume ends, or it runs with a live worker (one that
     started after the failure) on a queue it works on. Never a consumer nobody
     supervises, whose tasks a peer would reclaim while they run."""
-    worqr = make()
+    worqr = make(**FAST)
     ended = anyio.Event()
 
     async def handler(process: Process) -> None:

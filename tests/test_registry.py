@@ -10,13 +10,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
-from worqr._embedded import EmbeddedServer
 from worqr._keys import Keys
 from worqr._ops import Client, prune_queues
 from worqr._stats import LocalStats
+from worqr.testing import EmbeddedServer
 
 from .helpers import Factory, eventually
 from .proxy import LatencyProxy
@@ -123,6 +124,21 @@ async def test_pruning_never_loses_a_queue_being_enqueued_to(real_make: Factory)
             tg.start_soon(push)
         registered = set(await peer.get_queues())
         assert set(queues[::2]) <= registered
+
+
+@pytest.mark.parametrize("priority", ["high", "normal", "low"])
+async def test_a_push_between_the_scan_and_the_prune_keeps_its_queue_at_any_level(
+    real_make: Factory, priority: str
+) -> None:
+    """The race forced by hand: a queue the scan found idle gets a push (and its SADD)
+    before the prune's SREM. The prune's second read must see the task whatever list
+    it went to, or the queue stays unregistered while it holds tasks."""
+    peer = real_make()
+    keys = Keys(peer.prefix)
+    await peer._redis.sadd(keys.queues, "q")
+    await peer.enqueue("q", "t", priority=priority)  # after the scan, before the prune
+    assert await prune_queues(peer._redis, keys, ["q"]) == []
+    assert await peer.get_queues() == ["q"]
 
 
 async def test_a_worker_that_missed_a_delete_learns_of_it_on_reconnect(

@@ -40,10 +40,9 @@ from redis.asyncio import Redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from worqr import BackendError, Process, Worqr
-from worqr._deployments import EmbeddedCluster, find_cli_binary
-from worqr._embedded import EmbeddedServer
+from worqr.testing import EmbeddedCluster, EmbeddedServer, find_cli_binary
 
-from .helpers import eventually, reap
+from .helpers import consuming, eventually, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = 3000
@@ -373,6 +372,59 @@ async def test_a_slot_migration_longer_than_worker_timeout_runs_no_task_twice(
     executions, logs, moved = await _run(cluster, queue, move)
     duplicates, unknown = _report(executions, logs, moved)
     assert duplicates <= unknown
+
+
+async def test_a_half_set_migration_stalls_a_worker_that_then_goes_on(
+    cluster: EmbeddedCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slot MIGRATING on its owner with no IMPORTING side (a reshard cut off between
+    its two SETSLOTs) bounces every command on an absent key between the two nodes
+    until redis-py gives up ("TTL exhausted"), which a Cluster pipeline reports in the
+    command's place. A worker's dequeue reads of absent level lists met that reply and
+    the consumer died of a TypeError; it must wait and go on once the slot is fixed."""
+    queue = f"h{uuid.uuid4().hex[:8]}"
+    slot = key_slot(queue.encode())
+    source_port = await _owner(cluster, slot)
+    source = next(node for node in cluster.nodes if node.port == source_port)
+    target = next(node for node in cluster.primaries() if node.port != source_port)
+    tasks = [f"t{n}" for n in range(20)]
+    done: list[str] = []
+    gate = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        await gate.wait()
+        done.append(process.task)
+
+    prefix = f"hs{uuid.uuid4().hex[:8]}"
+    async with Worqr.from_url(_url(cluster), prefix=prefix, **PEER) as worqr:
+        await worqr.enqueue(queue, tasks)
+        async with _node(source) as src:
+            try:
+                with caplog.at_level(logging.WARNING, logger="worqr"):
+                    async with consuming(worqr, handler, queue=queue):
+
+                        async def taken() -> bool:
+                            return await worqr.count_queue(queue) == len(tasks) - 1
+
+                        await eventually(taken, within=20)
+                        target_id = await _node_id(target)
+                        await src.execute_command(
+                            "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id
+                        )
+                        gate.set()
+
+                        def stalled() -> bool:
+                            return "TTL exhausted" in caplog.text
+
+                        await eventually(stalled, within=20)
+                        await src.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+                        await eventually(lambda: sorted(done) == sorted(tasks), within=20)
+            finally:
+                await src.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        assert await worqr.count_queue(queue) == 0
+        assert await worqr.get_processes(queue) == []
+        assert (await worqr.check()).problems == ()
+        await worqr.delete_queue(queue)
 
 
 async def test_moved_replies_after_slots_moved_do_not_cut_operations_in_flight(

@@ -112,6 +112,29 @@ async def test_each_tick_runs_once_across_peers(make: Factory) -> None:
     assert ticks[0].startswith("tick@") and ticks[0].endswith("Z")
 
 
+async def test_a_schedules_ticks_wait_at_its_priority(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    producer, worker = real_make(), real_make()
+    await producer.schedule("urgent", "q", "p", every=0.05, priority="high")
+    await producer.enqueue("q", [f"t{i}" for i in range(3)])
+    runs: list[str] = []
+
+    async def handler(process: Process) -> None:
+        runs.append(process.job_id or process.task)
+
+    await worker.start_worker()
+    await worker.start_work("q")  # its timer fires the schedule; nothing is taken yet
+    await eventually(lambda: _has_high(real_client, prefix))
+    async with consuming(worker, handler, queue="q", priority="strict"):
+        await eventually(lambda: len(runs) >= 4, within=10)
+    assert runs[0].startswith("urgent@")  # from the high list, ahead of the plain tasks
+
+
+async def _has_high(redis: Redis, prefix: str) -> bool:
+    return bool(await redis.llen(f"{prefix}:q:{{q}}:high"))
+
+
 async def _stored(worqr: Worqr, redis: Redis, name: str, queue: str, **since: int) -> None:
     """Rewrite a schedule's record as if it was stored, or last ticked, long ago."""
     key = worqr._keys.schedule(queue, name)

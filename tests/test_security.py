@@ -31,8 +31,8 @@ from worqr import (
     ServerStartError,
     Worqr,
 )
-from worqr._embedded import EmbeddedServer, find_server_binary, free_port
 from worqr._keys import Keys
+from worqr.testing import EmbeddedServer, find_server_binary, free_port
 
 from .helpers import FAST, eventually
 
@@ -46,6 +46,7 @@ WORQR_COMMANDS = (
     "watch", "unwatch", "multi", "exec", "publish", "subscribe", "unsubscribe",
     "type", "pttl", "zadd", "zremrangebyscore", "zscore", "zmscore",
     "zrange", "zrem", "time", "hset", "hgetall", "pexpire", "lpos",
+    "scard", "srandmember", "hsetnx",
 )  # fmt: skip
 """Every command worqr sends as its ACL user, each one needed: the rule in
 docs/security.md lists the same. (HELLO and AUTH run before authentication.)"""
@@ -243,7 +244,13 @@ async def exercise_jobs(producer: Worqr, worker: Worqr, peer: Worqr) -> None:
         with pytest.raises(JobFailedError):
             await failed.result()
         parked = await producer.submit("jobq", "parked", delay=60)
+        waits = await producer.submit("jobq", "waits", after=[parked])
+        assert await waits.status() == JobStatus.WAITING
         assert await parked.cancel() and await parked.status() == JobStatus.FAILED
+        with pytest.raises(JobFailedError, match="dependency"):
+            await waits.result()
+        chained = await producer.submit("jobq", "chained", after=[ok])
+        assert await chained.result() == "did chained"
         await worker.stop_work("jobq")
     await producer.delete_queue("jobq")
     assert await producer.job("jobq", "j1").status() == JobStatus.UNKNOWN

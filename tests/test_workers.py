@@ -8,13 +8,13 @@ from redis.asyncio import Redis
 
 from worqr import Worqr
 
-from .helpers import Factory, eventually, raw_keys
+from .helpers import FAST, Factory, eventually, raw_keys
 
 
 async def test_start_worker_registers_with_a_heartbeat(
     make: Factory, client: Redis, prefix: str
 ) -> None:
-    worqr = make()
+    worqr = make(**FAST)
     assert await worqr.get_workers() == []
     await worqr.start_worker()
     await worqr.start_worker()  # idempotent
@@ -24,7 +24,7 @@ async def test_start_worker_registers_with_a_heartbeat(
 
 
 async def test_heartbeat_keeps_the_worker_alive(make: Factory, client: Redis, prefix: str) -> None:
-    worqr = make()
+    worqr = make(**FAST)
     await worqr.start_worker()
     await anyio.sleep(1.2)  # > 2 x worker_timeout: only the heartbeat keeps the key
     assert await client.exists(f"{prefix}:w:{{{worqr.worker_id}}}:alive")
@@ -112,7 +112,7 @@ async def test_fail_own_worker_stops_it_and_it_can_start_again(make: Factory) ->
 
 
 async def test_crashed_peer_is_reclaimed_by_supervision(make: Factory) -> None:
-    crashed, survivor = make(), make()
+    crashed, survivor = make(**FAST), make(**FAST)
     await crashed.start_worker()
     await crashed.start_work("jobs")
     await crashed.enqueue("jobs", ["first", "second", "third"])

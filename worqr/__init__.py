@@ -7,6 +7,7 @@ from ._errors import BackendError as BackendError
 from ._errors import BackendUnavailableError as BackendUnavailableError
 from ._errors import ClosedError as ClosedError
 from ._errors import CorruptDataError as CorruptDataError
+from ._errors import DependencyError as DependencyError
 from ._errors import DuplicateTaskError as DuplicateTaskError
 from ._errors import InvalidJobIdError as InvalidJobIdError
 from ._errors import InvalidProcessIdError as InvalidProcessIdError
@@ -46,6 +47,7 @@ __all__ = [
     "CheckReport",
     "ClosedError",
     "CorruptDataError",
+    "DependencyError",
     "DuplicateTaskError",
     "FailedTask",
     "InvalidJobIdError",

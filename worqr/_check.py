@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from ._deps import LIVE, decode
 from ._errors import CorruptDataError, InvalidProcessIdError, is_wrong_type, redis_boundary
 from ._flow import Flow, read_flow
 from ._keys import TYPES, Keys
@@ -48,8 +49,10 @@ class Problem:
     ``stale-deadline`` (the deadline of a process that is gone), ``dangling-job`` (a
     live entry of the job index without its record: the id would be refused forever),
     ``unindexed-job`` (a live job record missing from the index: its id would be
-    accepted again while it lives) or ``lost-job`` (a live job record whose envelope
-    is nowhere: queued, delayed or in process)."""
+    accepted again while it lives), ``lost-job`` (a live job record whose envelope
+    is nowhere: queued, delayed or in process) or ``stuck-waiting`` (a waiting job
+    that no release will reach: in no ``after`` set of a dependency that goes on,
+    nor in ``released``)."""
     detail: str
     queue: str | None = None
     worker_id: str | None = None
@@ -64,9 +67,9 @@ class CheckReport:
 
     problems: tuple[Problem, ...]
     repaired: bool
-    """True when ``check(repair=True)`` made this report: each problem was repaired
-    (every repair re-checks its finding first, so one that had resolved itself is
-    left as it is)."""
+    """True when ``check(repair=True)`` found problems and repaired each (False when
+    there was nothing to repair; every repair re-checks its finding first, so one
+    that had resolved itself is left as it is)."""
 
     @property
     def ok(self) -> bool:
@@ -91,6 +94,7 @@ class _State:
     process_tasks: dict[tuple[str, str], str]  # (queue, id) -> its (first) task
     deadlines: dict[str, list[str]]  # queue -> process ids with a deadline
     live_jobs: dict[tuple[str, str], str]  # (queue, job id) -> live envelope
+    waiting: set[tuple[str, str]]  # (queue, job id) of waiting jobs
     records: set[tuple[str, str]]  # (queue, job id) with a record
     indexed: set[tuple[str, str]]  # (queue, job id) live in the index
     settings: list[tuple[str, str, str]]  # (kind, queue, rest) of flow and s:<name> keys
@@ -167,14 +171,17 @@ async def _read(r: Client, keys: Keys) -> _State:
         for job_id in members(reply)
     }
     at += len(index_queues)
+    states = [
+        (key, fields)
+        for key, fields in zip(job_keys, jobs_read[at:], strict=True)
+        if not is_wrong_type(fields) and fields[0] is not None
+    ]
     live_jobs = {
         key: text(fields[1])
-        for key, fields in zip(job_keys, jobs_read[at:], strict=True)
-        if not is_wrong_type(fields)
-        and fields[0] is not None
-        and text(fields[0]) in ("queued", "delayed")
-        and fields[1] is not None
+        for key, fields in states
+        if text(fields[0]) in ("queued", "delayed") and fields[1] is not None
     }
+    waiting = {key for key, fields in states if text(fields[0]) == "waiting"}
     workers, queues = set(members(replies[0])), set(members(replies[1]))
     endless = [keys.supervision_lease] if replies[2] == -1 else []
     at = 3
@@ -214,6 +221,7 @@ async def _read(r: Client, keys: Keys) -> _State:
         process_tasks,
         deadlines,
         live_jobs,
+        waiting,
         set(job_keys),
         indexed,
         [(kind, owner, rest) for _, kind, owner, rest in good if kind in ("flow", "s")],
@@ -363,12 +371,30 @@ async def _in_process(r: Client, keys: Keys, queues: list[str]) -> set[tuple[str
     }
 
 
+async def _dangling(r: Client, keys: Keys, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Live index entries without a record, confirmed by a second look: the SCAN saw
+    the records before the index was read, so a job submitted in between looks like
+    one (its record and its entry are written in one transaction)."""
+    if not found:
+        return []
+    await anyio.sleep(_SECOND_LOOK)
+    commands: list[Command] = []
+    for queue, job_id in found:
+        commands += [("EXISTS", keys.job(queue, job_id)), ("ZSCORE", keys.jobs(queue), job_id)]
+    replies = await reads(r, commands)
+    return [
+        entry
+        for entry, exists, score in zip(found, replies[::2], replies[1::2], strict=True)
+        if not exists and live_score(score)
+    ]
+
+
 async def _unindexed(r: Client, keys: Keys, state: _State) -> list[tuple[str, str]]:
     """Live job records whose id is not live in the index (a wrong-typed index deleted
     by a repair, or another client's writes), confirmed by a second read: a record
     and its index entry change in one transaction, but the first read of a Cluster
     node is no snapshot."""
-    found = sorted(set(state.live_jobs) - state.indexed)
+    found = sorted((set(state.live_jobs) | state.waiting) - state.indexed)
     if not found:
         return []
     commands: list[Command] = []
@@ -381,9 +407,7 @@ async def _unindexed(r: Client, keys: Keys, state: _State) -> list[tuple[str, st
     return [
         entry
         for entry, score, state_now in zip(found, replies[::2], replies[1::2], strict=True)
-        if not live_score(score)
-        and isinstance(state_now, str | bytes)
-        and text(state_now) in ("queued", "delayed")
+        if not live_score(score) and isinstance(state_now, str | bytes) and text(state_now) in LIVE
     ]
 
 
@@ -446,20 +470,22 @@ async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:
         for queue, pid in stale
     ]
     problems += [
-        Problem(
+        _job_problem(
+            keys,
             "dangling-job",
             f"job {job_id!r} is indexed as live but has no record",
             queue,
-            key=keys.job(queue, job_id),
+            job_id,
         )
-        for queue, job_id in sorted(state.indexed - state.records)
+        for queue, job_id in await _dangling(r, keys, sorted(state.indexed - state.records))
     ]
     problems += [
-        Problem(
+        _job_problem(
+            keys,
             "unindexed-job",
             f"job {job_id!r} is live but missing from the index",
             queue,
-            key=keys.job(queue, job_id),
+            job_id,
         )
         for queue, job_id in await _unindexed(r, keys, state)
     ]
@@ -497,12 +523,81 @@ async def _job_problems(r: Client, keys: Keys, state: _State) -> list[Problem]:
         ]
         await anyio.sleep(_SECOND_LOOK)
     problems += [
-        Problem(
-            "lost-job",
-            f"job {job_id!r} is live but its envelope is nowhere",
-            queue,
-            key=keys.job(queue, job_id),
+        _job_problem(
+            keys, "lost-job", f"job {job_id!r} is live but its envelope is nowhere", queue, job_id
         )
         for queue, job_id, _ in candidates
     ]
+    problems += [
+        _job_problem(
+            keys,
+            "stuck-waiting",
+            f"job {job_id!r} waits, but no release will reach it",
+            queue,
+            job_id,
+        )
+        for queue, job_id in await _stuck_waiting(r, keys, sorted(state.waiting))
+    ]
     return problems
+
+
+def _job_problem(keys: Keys, kind: str, detail: str, queue: str, job_id: str) -> Problem:
+    """A finding about one job, naming its record."""
+    return Problem(kind, detail, queue, key=keys.job(queue, job_id))
+
+
+async def _stuck_waiting(
+    r: Client, keys: Keys, candidates: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """The waiting jobs that no release will reach (see `Problem`), confirmed by a
+    second look: a release moves a job between ``released`` and the ``after`` sets in
+    one transaction, but the reads here are no snapshot."""
+    for _ in range(2):
+        if not candidates:
+            break
+        looks = await reads(
+            r,
+            [
+                command
+                for queue, job_id in candidates
+                for command in (
+                    ("SISMEMBER", keys.released(queue), job_id),
+                    ("HMGET", keys.job(queue, job_id), "state", "after"),
+                )
+            ],
+        )
+        waits = {
+            entry: decode(text(record[1]) if record[1] is not None else None) or {}
+            for entry, released, record in zip(candidates, looks[::2], looks[1::2], strict=True)
+            if released == 0
+            and not is_wrong_type(record)
+            and record[0] is not None
+            and text(record[0]) == "waiting"
+        }
+        pairs = [(entry, dep, life) for entry, deps in waits.items() for dep, life in deps.items()]
+        replies = await reads(
+            r,
+            [
+                command
+                for (queue, job_id), dep, _ in pairs
+                for command in (
+                    ("HMGET", keys.job(queue, dep), "state", "life", "waited"),
+                    ("SISMEMBER", keys.after(queue, dep), job_id),
+                )
+            ],
+        )
+        reached = {
+            entry
+            for (entry, _, life), record, member in zip(
+                pairs, replies[::2], replies[1::2], strict=True
+            )
+            if member == 1
+            and not is_wrong_type(record)
+            and record[0] is not None
+            and text(record[0]) in LIVE
+            and text(record[1] or "") == life
+            and record[2] is not None
+        }
+        candidates = [entry for entry in waits if entry not in reached]
+        await anyio.sleep(_SECOND_LOOK)
+    return candidates

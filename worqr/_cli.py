@@ -13,16 +13,17 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TextIO, TypeVar
 
-from . import _loop
+from . import __version__, _loop
 from ._envelope import unwrap
 from ._errors import JobFailedError, WorqrError
-from ._names import check_queue
+from ._names import check_queue, check_worker_id
 from ._worqr import Worqr
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -162,9 +163,20 @@ async def cmd_workers(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> in
 
 
 async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
-    failed = await worqr.get_failed(await known_queue(worqr, args.queue))
+    queue = await known_queue(worqr, args.queue)
+    if args.clear:
+        cleared = await worqr.clear_failed(queue)
+        emit(out, args, {"cleared": cleared}, f"cleared {cleared} failed task(s) of {queue!r}")
+        return OK
+    if args.drop:
+        if not await worqr.drop_failed(queue, args.drop):
+            raise CommandError(f"no failed entry {args.drop!r} in {queue!r}")
+        emit(out, args, {"dropped": args.drop}, f"dropped failed entry {args.drop} of {queue!r}")
+        return OK
+    failed = await worqr.get_failed(queue)
     data = [
         {
+            "id": f.id,
             "task": f.task,
             "error": f.error,
             "worker_id": f.worker_id,
@@ -174,8 +186,9 @@ async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
         }
         for f in failed
     ]
-    rows = [[f.task, f.job_id, f.error, f.worker_id, _when(f.failed_at)] for f in failed]
-    emit(out, args, data, table(rows, ["TASK", "JOB", "ERROR", "WORKER", "FAILED AT (UTC)"]))
+    rows = [[f.id, f.task, f.job_id, f.error, f.worker_id, _when(f.failed_at)] for f in failed]
+    header = ["ID", "TASK", "JOB", "ERROR", "WORKER", "FAILED AT (UTC)"]
+    emit(out, args, data, table(rows, header))
     return OK
 
 
@@ -243,9 +256,14 @@ async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _stdin_batches(stream: TextIO, size: int = 1000) -> Iterable[list[str]]:
+    """Tasks of ``stream``, one per line (without its line ending), in batches of
+    ``size``; blank lines (empty or only whitespace) are skipped."""
     batch: list[str] = []
     for line in stream:
-        batch.append(line.rstrip("\n"))
+        task = line.rstrip("\n").removesuffix("\r")
+        if not task.strip():
+            continue
+        batch.append(task)
         if len(batch) == size:
             yield batch
             batch = []
@@ -275,13 +293,27 @@ async def cmd_cancel(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
 
 
 async def cmd_delete(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
-    await worqr.delete_queue(await known_queue(worqr, args.queue))
-    emit(out, args, {"deleted": args.queue}, f"deleted queue {args.queue!r}")
+    """As `Worqr.delete_queue`, deleting a queue nobody knows succeeds (there may be
+    keys left of it all the same: they go too)."""
+    known = check_queue(args.queue) in await worqr.get_queues()
+    await worqr.delete_queue(args.queue)
+    said = f"deleted queue {args.queue!r}" + ("" if known else " (it was not registered)")
+    emit(out, args, {"deleted": args.queue, "known": known}, said)
     return OK
 
 
 async def cmd_retry(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     queue = await known_queue(worqr, args.queue)
+    if args.id is not None:
+        if args.all:
+            raise argparse.ArgumentTypeError("give an ID or --all, not both")
+        if not await worqr.retry_failed(queue, only=args.id):
+            raise CommandError(
+                f"failed entry {args.id!r} of {queue!r} not retried: no such entry"
+                " (retried or dropped), or its job id was submitted anew"
+            )
+        emit(out, args, {"retried": 1}, f"retried failed entry {args.id} of {queue!r}")
+        return OK
     moved = await worqr.retry_failed(queue, None if args.all else 1)
     emit(out, args, {"retried": moved}, f"retried {moved} failed task(s) of {queue!r}")
     return OK
@@ -349,6 +381,7 @@ async def cmd_submit(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
         result_ttl=args.result_ttl,
         unique=args.unique,
         priority=args.priority,
+        after=args.after,
     )
     if not args.wait and args.wait_timeout is None:
         emit(out, args, {"id": job.id}, job.id)
@@ -392,6 +425,7 @@ async def cmd_job(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
         "enqueued_at": info.enqueued_at,
         "due_at": info.due_at,
         "finished_at": info.finished_at,
+        "after": list(info.after),
     }
     rows: list[list[str | None]] = [
         ["queue", info.queue],
@@ -403,6 +437,8 @@ async def cmd_job(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
         ["due at (UTC)", None if info.due_at is None else _when(info.due_at)],
         ["finished at (UTC)", None if info.finished_at is None else _when(info.finished_at)],
     ]
+    if info.after:
+        rows.append(["waits for", " ".join(info.after)])
     emit(out, args, data, table(rows, ["JOB", info.id]))
     return OK
 
@@ -514,8 +550,38 @@ async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
 
     if not args.command:
         raise argparse.ArgumentTypeError("give the COMMAND to run after --")
+    program = args.command[0]
+    found = shutil.which(program)
+    if found is None:  # before any task is taken: each one would fail
+        where = "is not an executable file" if os.sep in program else "is not found on PATH"
+        raise argparse.ArgumentTypeError(f"the COMMAND {program!r} {where}")
     code: int = await serve(
-        worqr, args.queue, args.command, concurrency=args.concurrency, grace=args.grace
+        worqr,
+        args.queue,
+        args.command,
+        concurrency=args.concurrency,
+        grace=args.grace,
+        quiet=args.quiet,
+    )
+    return code
+
+
+async def cmd_worker(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    from ._pyworker import HandlerNotFound, load_handler, serve
+
+    queues = [check_queue(queue) for queue in args.queues]
+    try:
+        handler = load_handler(args.target)
+    except HandlerNotFound as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    code: int = await serve(
+        worqr,
+        queues,
+        handler,
+        concurrency=args.concurrency,
+        priority=args.priority,
+        grace=args.grace,
+        quiet=args.quiet,
     )
     return code
 
@@ -569,6 +635,7 @@ def parser() -> argparse.ArgumentParser:
     reading.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     top = argparse.ArgumentParser(prog="worqr", description=__doc__, parents=[options(True)])
+    top.add_argument("--version", action="version", version=f"worqr {__version__}")
     verbs = top.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     def verb(name: str, handler: Verb, help_text: str, *, json_out: bool = True) -> Any:
@@ -583,13 +650,19 @@ def parser() -> argparse.ArgumentParser:
     verbs.choices["tasks"].add_argument("--limit", type=count, help="show at most N")
     verb("processes", cmd_processes, "list tasks in process").add_argument("queue", nargs="?")
     verb("workers", cmd_workers, "list workers: queues, in process, heartbeat age")
-    verb("failed", cmd_failed, "list a queue's failed tasks").add_argument("queue")
+    failed = verb("failed", cmd_failed, "list a queue's failed tasks (or drop one, or all)")
+    failed.add_argument("queue")
+    dropping = failed.add_mutually_exclusive_group()
+    dropping.add_argument("--drop", metavar="ID", help="remove the failed entry ID, not retried")
+    dropping.add_argument("--clear", action="store_true", help="remove every failed entry")
     verb("stats", cmd_stats, "fleet-wide counts")
     enqueue = verb("enqueue", cmd_enqueue, "append tasks to a queue")
     enqueue.add_argument("queue")
     enqueue.add_argument("tasks", nargs="*", metavar="TASK")
     enqueue.add_argument("--unique", action="store_true", help="refuse live duplicates")
-    enqueue.add_argument("--stdin", action="store_true", help="read one task per line")
+    enqueue.add_argument(
+        "--stdin", action="store_true", help="read one task per line (blank lines skipped)"
+    )
     enqueue.add_argument(*PRIORITY_OPTION, **PRIORITY_HELP)
     submit = verb("submit", cmd_submit, "submit a job; print its id (with --wait, its result)")
     submit.add_argument("queue")
@@ -629,6 +702,12 @@ def parser() -> argparse.ArgumentParser:
     )
     submit.add_argument(*PRIORITY_OPTION, **PRIORITY_HELP)
     submit.add_argument(
+        "--after",
+        action="append",
+        metavar="ID",
+        help="wait until job ID (of the same queue) is done; fail if it fails (repeatable)",
+    )
+    submit.add_argument(
         "--wait", action="store_true", help="wait for its end: print the result, or exit 1"
     )
     submit.add_argument(
@@ -643,7 +722,7 @@ def parser() -> argparse.ArgumentParser:
     job.add_argument(
         "--cancel",
         action="store_true",
-        help="cancel it instead (remove it if waiting, else cancel its attempt); exit 1 if ended",
+        help="cancel it instead (remove it, or cancel its running attempt); exit 1 if ended",
     )
     delayed = verb("delayed", cmd_delayed, "list a queue's delayed jobs, next due first")
     delayed.add_argument("queue")
@@ -651,7 +730,9 @@ def parser() -> argparse.ArgumentParser:
     cancel = verb("cancel", cmd_cancel, "remove every queued copy of a task, announce it")
     cancel.add_argument("queue")
     cancel.add_argument("task")
-    verb("delete", cmd_delete, "delete a queue and all its tasks").add_argument("queue")
+    verb(
+        "delete", cmd_delete, "delete a queue and all its tasks (an unknown one too: exit 0)"
+    ).add_argument("queue")
     verb("schedules", cmd_schedules, "list schedules: when, last and next tick")
     schedule = verb("schedule", cmd_schedule, "store (or replace) a schedule of a queue's jobs")
     schedule.add_argument("name")
@@ -695,25 +776,78 @@ def parser() -> argparse.ArgumentParser:
     limit.add_argument("queue")
     limit.add_argument("limit", metavar="LIMIT", help="starts per window, or none to remove")
     limit.add_argument("per", nargs="?", metavar="PER", help="the window, in seconds")
-    retry = verb("retry", cmd_retry, "put the oldest failed task (or --all) back")
+    retry = verb("retry", cmd_retry, "put the oldest failed task (or ID, or --all) back")
     retry.add_argument("queue")
+    retry.add_argument("id", nargs="?", metavar="ID", help="the failed entry (see worqr failed)")
     retry.add_argument("--all", action="store_true", help="retry every failed task")
     verb("reclaim", cmd_reclaim, "run cleanup now; print what came back")
     check = verb("check", cmd_check, "find what breaks the invariants (exit 1 if any)")
     check.add_argument("--repair", action="store_true", help="fix what is found")
-    run = verb(
-        "run",
-        cmd_run,
-        "work a queue with any program: one child per task, task on stdin",
-        json_out=False,
+    working = argparse.ArgumentParser(add_help=False)  # the options of run and worker
+    working.add_argument("--concurrency", type=count, default=1, help="tasks at once (default: 1)")
+    working.add_argument(
+        "--grace",
+        type=seconds,
+        default=10.0,
+        help="seconds running tasks get to finish after SIGTERM/SIGINT (default: 10)",
     )
-    run.formatter_class = argparse.RawDescriptionHelpFormatter
-    run.description = RUN_CONTRACT
+    working.add_argument(
+        "--worker-id", type=worker_id, help="this worker's id (default: <host>:<pid>:<random>)"
+    )
+    working.add_argument(
+        "--heartbeat-interval", type=seconds, default=1.0, metavar="S", help="(default: 1)"
+    )
+    working.add_argument(
+        "--worker-timeout",
+        type=seconds,
+        default=3.0,
+        metavar="S",
+        help="a worker silent this long is dead; its tasks go back (default: 3)",
+    )
+    working.add_argument(
+        "--cleanup-interval",
+        type=seconds,
+        metavar="S",
+        help="seconds between looks for dead workers (default: the worker timeout)",
+    )
+    talking = working.add_mutually_exclusive_group()
+    talking.add_argument(
+        "-q", "--quiet", action="store_true", help="no line per task, only warnings and errors"
+    )
+    talking.add_argument(
+        "-v", "--verbose", action="store_true", help="also worqr's INFO lines (and tracebacks)"
+    )
+    talking.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the level of worqr's own log (default: WARNING, with a line per task)",
+    )
+    run = verbs.add_parser(
+        "run",
+        help="work a queue with any program: one child per task, task on stdin",
+        parents=[common, working],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=RUN_CONTRACT,
+        epilog="the COMMAND follows --: worqr run QUEUE [options] -- COMMAND [ARGS...]",
+    )
+    run.set_defaults(handler=cmd_run, command=[])  # the words after --, split off in main()
     run.add_argument("queue")
-    run.add_argument("--concurrency", type=count, default=1, help="children at once (default: 1)")
-    run.add_argument("--grace", type=seconds, default=10.0, help="seconds (default: 10)")
-    run.set_defaults(command=[])  # the words after --, split off in main()
-    run.epilog = "the COMMAND follows --: worqr run QUEUE [options] -- COMMAND [ARGS...]"
+    worker = verbs.add_parser(
+        "worker",
+        help="work queues with an async Python handler: worqr worker MODULE:NAME QUEUE...",
+        parents=[common, working],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=WORKER_CONTRACT,
+    )
+    worker.set_defaults(handler=cmd_worker)
+    worker.add_argument("target", metavar="MODULE:HANDLER")
+    worker.add_argument("queues", nargs="+", metavar="QUEUE")
+    worker.add_argument(
+        "--priority",
+        choices=["weighted", "strict"],
+        default="weighted",
+        help="how the levels are served: 16:4:1, or always the highest (default: weighted)",
+    )
     watch = verb("watch", cmd_watch, "a live view of queues and workers", json_out=False)
     watch.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes")
     watch.add_argument("--iterations", type=count, help="stop after N refreshes")
@@ -738,6 +872,27 @@ back to the front of the queue. If worqr run is killed outright (SIGKILL, a cras
 Linux each child gets SIGKILL with it; processes a child started run on unless it passes
 that on (exec its last command, or setpriv --pdeathsig KILL). Elsewhere children outlive
 a killed worqr run."""
+
+
+WORKER_CONTRACT = """work queues with an async Python handler, as Worqr.consume does.
+
+MODULE is imported (the current directory first on the path, as for python -m) and
+HANDLER is a name in it (dotted for one further in: app.tasks:mailer.send). It must be
+an async function, or an object with an async __call__, that takes the Process and
+returns a str (the result) or None; anything else is refused before the worker
+starts, with exit code 2. Each QUEUE gets --concurrency handler slots. An exception
+fails the attempt (a job with attempts left is tried again after its backoff; other
+tasks go to the failed list). A line per task goes to stderr (queue, process id,
+task, outcome, duration) unless -q. SIGTERM or SIGINT stops taking work, gives
+running handlers --grace seconds, then hands what is left back to the front of its
+queue. The module is imported once: restart the command to load new code."""
+
+
+def worker_id(value: str) -> str:
+    try:
+        return check_worker_id(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _named(what: str, kind: Callable[[str], _N], value: str) -> _N:
@@ -778,10 +933,44 @@ def _number(value: str, kind: Callable[[str], _N], what: str) -> _N:
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
-    worqr = Worqr.from_url(args.url, prefix=args.prefix)
+    liveness = {
+        name: getattr(args, name)
+        for name in ("worker_id", "heartbeat_interval", "worker_timeout", "cleanup_interval")
+        if getattr(args, name, None) is not None
+    }
+    worqr = Worqr.from_url(args.url, prefix=args.prefix, **liveness)
     async with worqr:
         code: int = await args.handler(worqr, args, sys.stdout)
         return code
+
+
+class _Formatter(logging.Formatter):
+    """Log lines without tracebacks (a failed task's line says what failed), unless
+    the user asked for them with --debug or -v."""
+
+    def __init__(self, tracebacks: bool) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._tracebacks = tracebacks
+
+    def formatException(self, ei: Any) -> str:
+        return super().formatException(ei) if self._tracebacks else ""
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """WARNING and up on stderr (everything with --debug); for run and worker, a line
+    per task unless -q, worqr's INFO lines with -v, or --log-level."""
+    verbose = getattr(args, "verbose", False)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(_Formatter(tracebacks=args.debug or verbose))
+    root = logging.getLogger()
+    root.handlers[:] = [stream]
+    root.setLevel(logging.DEBUG if args.debug else logging.WARNING)
+    if args.verb not in ("run", "worker"):
+        return
+    level = args.log_level or ("INFO" if verbose else None)
+    if level is not None:
+        logging.getLogger("worqr").setLevel(level)
+    logging.getLogger("worqr.tasks").setLevel(logging.WARNING if args.quiet else logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -801,11 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.error(f"unrecognized arguments: {' '.join(extra)}")
     if command is not None:
         args.command = command
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _configure_logging(args)
     if args.verb == "demo":
         from ._demo import run_demo
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import sys
 import time
@@ -16,6 +15,7 @@ import anyio
 from ._errors import BackendError, CorruptDataError
 from ._events import work_count
 from ._flow import Throttled
+from ._handlers import BadResult, check_result
 from ._jobs import Retry
 from ._log import PeerLog
 from ._models import Process
@@ -28,6 +28,7 @@ _THROTTLE_NAP = 30.0
 _HAND_BACK_LIMIT = 10.0
 _HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
 _TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
+_REFUSED = "refused"  # the handler's result is not a str or None: failed, not tried again
 
 
 class Host(Protocol):
@@ -48,6 +49,8 @@ class Host(Protocol):
     ) -> None: ...
 
     def _report_corrupt(self, keys: Sequence[str]) -> None: ...
+
+    def _lease_lapsed(self) -> bool: ...
 
 
 class Consumer:
@@ -235,12 +238,15 @@ class Consumer:
         and a handler ending wakes it only while a backlog may remain: an idle
         worker spends one round trip per task on taking it, none on looking again.
         """
+        if self._host._lease_lapsed():  # back from a stall: nothing until re-registered
+            return False  # (the recovery announces a look at every queue)
         announced, self._announced = min(self._announced, free), 0
         count = announced or free
         self._dequeuing, self._cancelled_meanwhile = True, set()
         try:
-            # A dequeue cut off here may have been applied: the audit returns what it
-            # took once it is older than worker_timeout.
+            # A dequeue cut off here may have been applied: what it took is recorded
+            # under this worker but unknown to it, and the audit returns it at its next
+            # cleanup tick.
             with anyio.move_on_after(_TAKE_LIMIT):
                 taken = await self._host._take(
                     self.queue, count, announced=bool(announced), policy=self._policy
@@ -280,20 +286,21 @@ class Consumer:
             self._idle = anyio.Event()
 
     async def _run_one(self, process: Process) -> None:
+        if self._host._lease_lapsed():
+            # The worker stalled past worker_timeout (a SIGSTOP, a blocked event loop)
+            # between the dequeue and now: peers may be handing this process back
+            # already, so its handler must not start. The heartbeat loop fences the
+            # worker at its next beat and hands back what is recorded under it.
+            self._running.pop(process.id, None)
+            if not self._running:
+                self._idle.set()
+            return
         outcome, detail, trace, delay = "finish", None, "", None
         error: BaseException | None = None  # what the handler raised, for the log
         started = time.monotonic()
         try:
-            running = self._handler(process)
-            if not inspect.isawaitable(running):
-                raise TypeError(
-                    "handler must be an async function (or return an awaitable),"
-                    f" not return {type(running).__name__}"
-                )
-            result = await running
-            if result is not None and not isinstance(result, str):
-                raise TypeError(f"handler must return str or None, not {type(result).__name__}")
-            detail = result
+            result = await self._handler(process)
+            detail = check_result(result)
             if process.timeout is not None and time.monotonic() - started > process.timeout:
                 self._end_now(process.id, _TIMED_OUT)  # it ran over without yielding
         except asyncio.CancelledError:
@@ -303,6 +310,8 @@ class Consumer:
             outcome, detail, delay = "retry", f"Retry: {exc}", exc.delay
             if process.attempt >= process.max_attempts:
                 detail += f", but attempt {process.attempt} of {process.max_attempts} was the last"
+        except BadResult as exc:
+            outcome, detail, error = _REFUSED, f"TypeError: {exc}", exc
         except Exception as exc:
             outcome, detail, error = "fail", f"{type(exc).__name__}: {exc}", exc
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -316,9 +325,9 @@ class Consumer:
                     f"TimeoutError: attempt {process.attempt} ran past its timeout"
                     f" of {process.timeout:g} s"
                 )
-        last = process.attempt >= process.max_attempts
-        if outcome in ("fail", _TIMED_OUT) or (outcome == "retry" and last):
-            self._failed(process, detail or "", error)
+        last = process.attempt >= process.max_attempts or outcome == _REFUSED
+        if outcome in ("fail", _TIMED_OUT, _REFUSED) or (outcome == "retry" and last):
+            self._failed(process, detail or "", error, last=last)
         self._running.pop(process.id, None)
         try:  # no shield needed: only `_end` cancels this task, and not after the pop
             await self._host._settle(process, outcome, detail, trace=trace, delay=delay)
@@ -328,11 +337,12 @@ class Consumer:
             if self._backlog:
                 self._wake.set()
 
-    def _failed(self, process: Process, detail: str, exc: BaseException | None = None) -> None:
+    def _failed(
+        self, process: Process, detail: str, exc: BaseException | None, *, last: bool
+    ) -> None:
         """Log a failed attempt: a warning when another attempt comes, else an error
         (with the traceback of ``exc``, if given)."""
         what = "handler failed" if process.job_id is None else f"job {process.job_id} failed"
-        last = process.attempt >= process.max_attempts
         self._log.log(
             logging.ERROR if last else logging.WARNING,
             "%s (attempt %d of %d%s): %s",

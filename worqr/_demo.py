@@ -14,9 +14,9 @@ import uuid
 import anyio
 
 from . import _loop
-from ._embedded import redis_url_or_embedded
 from ._models import Process
 from ._worqr import Worqr
+from .testing import redis_url_or_embedded
 
 QUEUE = "demo"
 TASKS = 24

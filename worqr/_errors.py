@@ -97,6 +97,11 @@ class JobFailedError(WorqrError):
         self.attempts = attempts
 
 
+class DependencyError(WorqrError):
+    """Raised when a job is submitted to wait for a job its queue does not know (never
+    submitted, deleted, or its outcome expired). Nothing is written."""
+
+
 class BackendError(WorqrError):
     """Raised when Redis answers a command with an error."""
 
@@ -138,6 +143,7 @@ _UNAVAILABLE = (
     redis.exceptions.AskError,
     redis.exceptions.TryAgainError,
     redis.exceptions.SlotNotCoveredError,  # no primary serves the slot now
+    redis.exceptions.ClusterError,  # redirections exhausted: a slot migrating for long
 )
 
 

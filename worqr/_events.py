@@ -51,7 +51,9 @@ from ._log import PeerLog
 from ._models import Listener
 from ._ops import text
 
-CHANNEL_EVENTS = frozenset({"work", "cancel", "delete", "done", "delayed", "schedule", "flow"})
+CHANNEL_EVENTS = frozenset(
+    {"work", "cancel", "delete", "done", "delayed", "schedule", "flow", "released"}
+)
 """The event types that travel on channels (``lost`` is made by a worker for itself)."""
 
 Hook = Callable[[str, str], None]

@@ -88,6 +88,8 @@ class Retry(WorqrError):
 class JobStatus(str, enum.Enum):
     """Where a job is now."""
 
+    WAITING = "waiting"
+    """Submitted with ``after``: waits for those jobs to end done."""
     QUEUED = "queued"
     DELAYED = "delayed"
     RUNNING = "running"
@@ -96,6 +98,7 @@ class JobStatus(str, enum.Enum):
     UNKNOWN = "unknown"
     """Never seen, deleted, or its outcome expired (``result_ttl``)."""
     # The same members under their wire names (``JobStatus.done is JobStatus.DONE``).
+    waiting = "waiting"
     queued = "queued"
     delayed = "delayed"
     running = "running"
@@ -126,6 +129,8 @@ class JobInfo:
     due_at: float | None
     """When a delayed job becomes due (also for a retry waiting out its backoff)."""
     finished_at: float | None
+    after: tuple[str, ...] = ()
+    """The ids a waiting job still waits for (those found live when last judged)."""
 
 
 class Job:
@@ -169,7 +174,7 @@ class Job:
         return await self._worqr._job_info(self.queue, self.id)
 
     async def cancel(self) -> bool:
-        """Remove the job if it is queued or delayed, else cancel its running attempt
+        """Remove the job if it is waiting, queued or delayed, else cancel its running attempt
         (the ``cancel`` event). Either way it ends as failed with the error
         ``cancelled``. False if it had already ended (or is unknown)."""
         return await self._worqr._cancel_job(self.queue, self.id)

@@ -120,6 +120,17 @@ class Keys:
         server time) after which any peer may take the process away."""
         return f"{self.prefix}:q:{{{queue}}}:deadlines"
 
+    def after(self, queue: str, job_id: str) -> str:
+        """SET of the ids of the jobs waiting for the current life of the job
+        ``job_id`` to end (see `_ops_deps`); the end of that life moves them to
+        ``released``."""
+        return f"{self.prefix}:q:{{{queue}}}:after:{job_id}"
+
+    def released(self, queue: str) -> str:
+        """SET of the ids of waiting jobs a dependency of which ended: each is looked
+        at again (queued, failed, or back to waiting) by the next release."""
+        return f"{self.prefix}:q:{{{queue}}}:released"
+
     def flow(self, queue: str) -> str:
         """HASH of the queue's flow control: ``paused`` (1 while paused), ``limit`` and
         ``per`` (ms) of its rate limit; absent when the queue has neither."""
@@ -189,10 +200,10 @@ class Keys:
 
         kind is the key's last word (``tasks``, ``high``, ``low``, ``failed``,
         ``unique``, ``deaths``, ``holders``, ``held``, ``p``, ``j``, ``jobs``,
-        ``delayed``, ``deadlines``,
+        ``delayed``, ``deadlines``, ``after``, ``released``,
         ``flow``, ``starts``, ``schedules``, ``s``, ``alive``, ``queues``); owner is the
         queue or the worker in the hash tag; rest is the worker of ``held``, the id of
-        ``p``, the job id of ``j`` or the schedule name of ``s``.
+        ``p``, the job id of ``j`` and of ``after`` or the schedule name of ``s``.
         """
         for scope, kinds in (("q", _QUEUE_KEYS), ("w", _WORKER_KEYS)):
             head = f"{self.prefix}:{scope}:{{"
@@ -202,7 +213,7 @@ class Keys:
             if not closed:
                 return None
             kind, _, rest = tail.partition(":")
-            if kind in kinds and (bool(rest) == (kind in ("held", "p", "j", "s"))):
+            if kind in kinds and (bool(rest) == (kind in ("held", "p", "j", "after", "s"))):
                 return kind, owner, rest
         return None
 
@@ -221,6 +232,8 @@ TYPES = {
     "jobs": "zset",
     "delayed": "zset",
     "deadlines": "zset",
+    "after": "set",
+    "released": "set",
     "flow": "hash",
     "starts": "zset",
     "schedules": "set",
@@ -245,6 +258,8 @@ _QUEUE_KEYS = frozenset(
         "jobs",
         "delayed",
         "deadlines",
+        "after",
+        "released",
         "flow",
         "starts",
         "schedules",

@@ -71,6 +71,9 @@ class FailedTask:
     """The traceback of the last attempt's exception, when it raised one."""
     envelope: str | None = field(default=None, repr=False, compare=False)
     """A job's last envelope as stored: `Worqr.retry_failed` submits it anew from it."""
+    id: str = field(default="", compare=False)
+    """The record's id, for `Worqr.retry_failed` (``only=``) and `Worqr.drop_failed`:
+    16 hex digits, a digest of the record as stored."""
 
     @property
     def raw(self) -> bytes:

@@ -10,9 +10,11 @@ processes by dequeue time.
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import secrets
+import socket
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,6 +68,22 @@ def check_worker_id(worker_id: object) -> str:
     return worker_id
 
 
+_FAILED_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def check_failed_id(failed_id: object) -> str:
+    """Return ``failed_id`` if it has the form of `FailedTask.id` (16 lowercase hex
+    digits), else raise `TypeError` or `ValueError` saying so."""
+    if not isinstance(failed_id, str):
+        raise TypeError(f"a failed entry's id must be a str, not {type(failed_id).__name__}")
+    if not _FAILED_ID.fullmatch(failed_id):
+        raise ValueError(
+            f"a failed entry's id is 16 hex digits (FailedTask.id, the ID column of"
+            f" worqr failed), got {failed_id[:40]!r}"
+        )
+    return failed_id
+
+
 def check_prefix(prefix: object) -> str:
     """Return ``prefix`` if it is a valid key prefix (same alphabet as worker ids)."""
     if not isinstance(prefix, str):
@@ -113,8 +131,12 @@ def check_interval(name: str, value: object) -> float:
 
 
 def new_worker_id() -> str:
-    """A random worker id."""
-    return uuid.uuid4().hex
+    """A worker id that says where the worker runs: ``<host>:<pid>:<random>``, the
+    host name cut to 64 characters with any character a worker id may not hold
+    made ``-``, and 12 random hex digits (unique even across pid reuse and
+    containers that share a host name)."""
+    host = re.sub(r"[^A-Za-z0-9_.@-]", "-", socket.gethostname())[:64] or "host"
+    return f"{host}:{os.getpid()}:{secrets.token_hex(6)}"
 
 
 @dataclass(frozen=True, slots=True)

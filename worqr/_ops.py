@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,11 +28,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._connections import Client as Client
 from ._connections import Pinned, on_slot, pinned
+from ._deps import dependencies_of
 from ._envelope import Envelope, Header, unwrap, wrap
 from ._errors import (
     BackendError,
     BackendUnavailableError,
     CorruptDataError,
+    DependencyError,
     DuplicateTaskError,
     InvalidProcessIdError,
     ReplicationError,
@@ -78,9 +81,11 @@ def wrong_keys(commands: Sequence[Command], replies: Sequence[Any]) -> list[str]
 
 def _unless_wrong(replies: list[Any]) -> list[Any]:
     """Replies of a pipeline run with ``raise_on_error=False``: an error other than
-    WRONGTYPE is raised; WRONGTYPE replies stay in place for the caller to isolate."""
+    WRONGTYPE is raised (a Cluster pipeline also puts routing failures in place, such as
+    redirections exhausted during a slot migration); WRONGTYPE replies stay in place for
+    the caller to isolate."""
     for reply in replies:
-        if isinstance(reply, ResponseError) and not is_wrong_type(reply):
+        if isinstance(reply, Exception) and not is_wrong_type(reply):
             raise reply
     return replies
 
@@ -342,7 +347,7 @@ async def _register_after(
     its WAIT fell short, since the tasks may be there."""
     try:
         outcome = await push
-    except (DuplicateTaskError, CorruptDataError):
+    except (DuplicateTaskError, DependencyError, CorruptDataError):
         raise  # refused: nothing was pushed
     except Exception:
         with contextlib.suppress(RedisError, OSError):
@@ -516,19 +521,22 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     stop); a process dequeued between a pass's read and its EXEC survives it, still
     recorded, and the next pass deletes it. A late finish or reclaim of a deleted
     process finds it gone (their WATCH on it aborts them). Passes go on until one
-    finds no process in a read made after its sweep, at most `_DELETE_PASSES`:
-    processes that appear after that come from tasks enqueued after the delete, which
-    belong to the queue's next life.
+    finds, in a read made after its sweep, no process and no task list (a process
+    handed back between the sweep and the read, by a stop or a reclaim, is no longer
+    recorded but its task is back in a list), at most `_DELETE_PASSES`: processes
+    that appear after that come from tasks enqueued after the delete, which belong to
+    the queue's next life.
 
     The registry entry goes after the data, and comes back if the queue's next life
     began meanwhile (tasks pushed, or a process taken from them): `enqueue` registers
     after its push, so a queue with tasks or processes is never left unregistered.
     Keys: holders, held:<w>..., p:<id>..., high, tasks, low, failed, unique, deaths, delayed,
-    deadlines, jobs, j:<id>...; queues.
+    deadlines, released, jobs, j:<id>..., after:<id>...; queues.
       0. SISMEMBER queues queue                                 -> known
       1. SMEMBERS holders;  ZRANGE jobs 0 -1;  SMEMBERS held:<w> (per holder) -> ids
       2. MULTI
-      3. DEL high tasks low failed unique deaths delayed deadlines j:<job>... p:<id>...
+      3. DEL high tasks low failed unique deaths delayed deadlines released j:<job>...
+             after:<job>... p:<id>...
          ZREM jobs <job>...                             (the ids read: a job submitted
                                                           since is found by the next read)
       4. SREM held:<w> <id>...                                  (per holder)
@@ -536,7 +544,8 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
       6. EXEC
          ZADD deleted <now> queue;  ZREMRANGEBYSCORE deleted -inf (<now - 1 h>
                                           (first pass; a queue registered or not empty)
-      7. SMEMBERS holders;  SMEMBERS held:<w>   -> ids: back to 2 with them
+      7. SMEMBERS holders;  SMEMBERS held:<w>;  EXISTS high tasks low
+                                                -> ids, or a list: back to 2 with them
       8. `drop_holder` per holder
       9. SREM queues queue
      10. EXISTS high tasks low holders          -> any: SADD queues queue
@@ -548,6 +557,7 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
         keys.deaths(queue),
         keys.delayed(queue),
         keys.deadlines(queue),
+        keys.released(queue),
     ]
 
     async def read() -> tuple[list[str], list[list[str]], list[str]]:
@@ -561,6 +571,7 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
         ids.clear()
         ids.extend(members(found[1]))
         jobs += [keys.job(queue, job_id) for job_id in ids]
+        jobs += [keys.after(queue, job_id) for job_id in ids]
         found = found[:1]
         holders = members(found[0])
         if is_wrong_type(found[0]):  # it names nobody: any listed worker may hold some
@@ -597,9 +608,11 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
                 ],
             )
         # Read again AFTER the sweep: a process dequeued between the last read and the
-        # sweep survived it, and only a read made after the sweep can see it.
+        # sweep survived it, and only a read made after the sweep can see it; and a
+        # process handed back meanwhile (a stop or reclaim between the sweep and this
+        # read) left the held sets but brought its task back to a list.
         holders, held, wrong = await read()
-        if not any(held) and not wrong:
+        if not any(held) and not wrong and not await call(r, "EXISTS", *keys.levels(queue)):
             break
     for worker_id in holders:
         await drop_holder(r, keys, queue, worker_id)
@@ -609,17 +622,22 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
 
 
 @redis_boundary
-async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> int:
-    """Move the oldest ``limit`` (default all) failed tasks to the back of the queue; a
-    job goes back as a new life with a fresh set of attempts.
+async def retry_failed(
+    r: Client, keys: Keys, queue: str, limit: int | None, only: str | None = None
+) -> int:
+    """Move the oldest ``limit`` (default all) failed tasks to the back of the queue,
+    or with ``only`` the one record of that id (`failed_id`); a job goes back as a new
+    life with a fresh set of attempts.
 
     Keys: queues (SET), failed (LIST of JSON records), tasks (LIST); jobs' j:<id>, jobs.
       1. WATCH failed;  LRANGE failed 0 limit-1      -> records (none: UNWATCH, 0)
+         (``only``: LRANGE failed 0 -1, the record of that id)
          TYPE tasks                                   -> not a list: UNWATCH, raise
          (jobs) WATCH j:<id>...;  ZMSCORE jobs <id>... -> live ids (submitted anew
                                                          since): their records stay
       2. MULTI
       3. LTRIM failed <n> -1;  LPUSH failed <record of a live id>...  (order kept)
+         (``only``: LREM failed 1 <record>, unless its id is live)
       4. RPUSH <level> task...                        (a job: its envelope, attempt 1,
                                                          to its priority's list)
       5. per job: DEL j:<id>;  HSET j:<id> env <envelope> state queued attempts 0
@@ -630,8 +648,10 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
     """
 
     async def body(pipe: Pipeline) -> int:
-        stop = -1 if limit is None else limit - 1
+        stop = -1 if limit is None or only is not None else limit - 1
         records = await read(pipe, "LRANGE", keys.failed(queue), 0, stop)
+        if only is not None:
+            records = [record for record in records if failed_id(text(record)) == only][:1]
         if not records:
             return 0
         failed = [(text(record), parse_failed(record)) for record in records]
@@ -645,6 +665,7 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
             scores = await read(pipe, "ZMSCORE", keys.jobs(queue), *ids)
             live = {job_id for job_id, score in zip(ids, scores, strict=True) if live_score(score)}
         kept, moved = [], []
+        life = new_life()
         for raw, task, env in lives:  # one life per id: a second record of it waits
             if env is not None and env.header.id in live:
                 kept.append(raw)
@@ -653,9 +674,13 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
             if env is not None:
                 live.add(env.header.id)
         pipe.multi()
-        pipe.execute_command("LTRIM", keys.failed(queue), len(failed), -1)
-        if kept:
-            pipe.execute_command("LPUSH", keys.failed(queue), *reversed(kept))
+        if only is not None:
+            if moved:
+                pipe.execute_command("LREM", keys.failed(queue), 1, failed[0][0])
+        else:
+            pipe.execute_command("LTRIM", keys.failed(queue), len(failed), -1)
+            if kept:
+                pipe.execute_command("LPUSH", keys.failed(queue), *reversed(kept))
         if moved:
             _push_levels(
                 pipe,
@@ -668,7 +693,7 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
             )
             for _, env in moved:
                 if env is not None:
-                    _record_job(pipe, keys, queue, env, "queued")
+                    _record_job(pipe, keys, queue, env, "queued", life=life)
         return len(moved)
 
     if limit is not None and limit <= 0:
@@ -677,6 +702,50 @@ async def retry_failed(r: Client, keys: Keys, queue: str, limit: int | None) -> 
     if moved:  # after the push, as `enqueue` (a wrong-typed registry: check's)
         await reads(r, [("SADD", keys.queues, queue)])
     return moved
+
+
+def failed_id(record: str) -> str:
+    """The id of a failed-list record: the first 16 hex digits of the SHA-256 of its
+    stored text. Every record has one (those of older versions and foreign ones too),
+    it never changes while the record is listed, and records differ in their time and
+    worker, so two with one id are the same failure listed twice."""
+    return hashlib.sha256(record.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+@redis_boundary
+async def drop_failed(r: Client, keys: Keys, queue: str, record_id: str) -> bool:
+    """Remove the failed record of that id; whether it was there.
+
+    Keys: failed (LIST).
+      1. LRANGE failed 0 -1                 -> the record of that id (none: False)
+      2. LREM failed 1 <record>             -> 0: gone meanwhile (retried or dropped)
+    LREM by value needs no transaction: it removes that record or nothing.
+    """
+    records = await read(r, "LRANGE", keys.failed(queue), 0, -1)
+    for record in records:
+        if failed_id(text(record)) == record_id:
+            return bool(await read(r, "LREM", keys.failed(queue), 1, record))
+    return False
+
+
+@redis_boundary
+async def clear_failed(r: Client, keys: Keys, queue: str) -> int:
+    """Remove every failed record of the queue; how many there were.
+
+    Keys: failed (LIST).
+      1. WATCH failed;  TYPE failed         -> not a list: UNWATCH, `CorruptDataError`
+                                              (check() repairs it; nothing is deleted)
+      2. MULTI;  LLEN failed;  DEL failed;  EXEC   -> the length it had
+    """
+
+    async def body(pipe: Pipeline) -> None:
+        await _require(pipe, keys.failed(queue), "list")
+        pipe.multi()
+        pipe.execute_command("LLEN", keys.failed(queue))
+        pipe.execute_command("DEL", keys.failed(queue))
+
+    _, (length, _) = await _optimistic(r, [keys.failed(queue)], body)
+    return int(length)
 
 
 def _push_levels(pipe: Pipeline, keys: Keys, queue: str, items: Sequence[tuple[str, Any]]) -> None:
@@ -702,14 +771,27 @@ def _new_life(task: FailedTask) -> Envelope | None:
     return Envelope(header, found.payload, wrap(header, found.payload))
 
 
+def new_life() -> str:
+    """A token that tells the lives of one job id apart (``life`` in `Keys.job`). One
+    per transaction that starts lives is enough: none starts two lives of one id."""
+    return secrets.token_hex(8)
+
+
 def _record_job(
-    pipe: Pipeline, keys: Keys, queue: str, env: Envelope, state: str, due: int | None = None
+    pipe: Pipeline,
+    keys: Keys,
+    queue: str,
+    env: Envelope,
+    state: str,
+    due: int | None = None,
+    *,
+    life: str,
 ) -> None:
     """Queue the writes of a job's record at the start of a life (submit, retry of a
     failed job): a fresh hash, live in the index.
 
       DEL j:<id>;  HSET j:<id> env <envelope> state <state> attempts 0 max <m>
-      enqueued <e> [due <due>];  ZADD jobs +inf <id>
+      enqueued <e> life <life> [due <due>];  ZADD jobs +inf <id>
     """
     header = env.header
     record = keys.job(queue, header.id)
@@ -724,6 +806,8 @@ def _record_job(
         header.max_attempts,
         "enqueued",
         header.enqueued_at,
+        "life",
+        life,
     ]
     if due is not None:
         fields += ["due", due]
@@ -769,7 +853,9 @@ def parse_failed(record: bytes | str) -> FailedTask:
     or not of this shape) is returned whole as the task, with an error saying so, so
     that listing, retrying and deleting failed tasks go on around it."""
     raw = text(record)
-    unreadable = FailedTask(task=raw, error="unreadable failed record", worker_id="", failed_at=0.0)
+    unreadable = FailedTask(
+        task=raw, error="unreadable failed record", worker_id="", failed_at=0.0, id=failed_id(raw)
+    )
     try:
         data = json.loads(raw)
         task, error, worker_id, failed_at = (
@@ -797,6 +883,7 @@ def parse_failed(record: bytes | str) -> FailedTask:
         attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else 1,
         traceback=trace,
         envelope=envelope,
+        id=failed_id(raw),
     )
 
 
@@ -836,7 +923,7 @@ async def submit(
       1. (check) WATCH j:<id>...;  ZMSCORE jobs <id>...  -> any +inf: UNWATCH, raise
       2. MULTI
       3. per job: DEL j:<id>;  HSET j:<id> env .. state queued|delayed attempts 0
-                  max .. enqueued .. [due ..];  ZADD jobs +inf <id>
+                  max .. enqueued .. life .. [due ..];  ZADD jobs +inf <id>
       4. RPUSH tasks <envelope>...                 (jobs due now, in order)
       5. ZADD delayed <due> <envelope> ...         (the others)
       6. PUBLISH events work:<n>;  PUBLISH events delayed:<earliest due>
@@ -851,27 +938,15 @@ async def submit(
     first reply was lost would queue the job twice. The outcome is then unknown:
     `BackendUnavailableError`.
     """
-    ids = [job.envelope.header.id for job in jobs]
-    if len(set(ids)) != len(ids):
-        raise DuplicateTaskError("the same job id appears twice in one submit")
-    level = jobs[0].envelope.header.priority  # one submit, one priority
-    pushed_to = keys.level(queue, level)
+    ids = check_ids(jobs)
+    pushed_to = keys.level(queue, jobs[0].envelope.header.priority)
     ready = [job.envelope.raw for job in jobs if job.due_ms is None]
     later = [job for job in jobs if job.due_ms is not None]
     registers = isinstance(r, Redis)  # one server: the registry joins the transaction
+    life = new_life()
 
     def writes(pipe: Pipeline) -> None:
-        for job in jobs:
-            state = "queued" if job.due_ms is None else "delayed"
-            _record_job(pipe, keys, queue, job.envelope, state, job.due_ms)
-        if ready:
-            pipe.execute_command("RPUSH", pushed_to, *ready)
-            pipe.execute_command(*announce(keys, queue, level, len(ready)))
-        if later:
-            pairs = [part for job in later for part in (job.due_ms, job.envelope.raw)]
-            pipe.execute_command("ZADD", keys.delayed(queue), *pairs)
-            earliest = min(job.due_ms or 0 for job in later)
-            pipe.execute_command("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest)))
+        submit_writes(pipe, keys, queue, jobs, life=life)
         if registers:
             pipe.execute_command("SADD", keys.queues, queue)
 
@@ -900,7 +975,9 @@ async def submit(
         live = [job_id for job_id, score in zip(ids, scores, strict=True) if live_score(score)]
         if live:
             await pipe.reset()
-            raise DuplicateTaskError(f"job {live[0]!r} is already queued, delayed or running")
+            raise DuplicateTaskError(
+                f"job {live[0]!r} is already queued, delayed, running or waiting"
+            )
         pipe.multi()
         writes(pipe)
 
@@ -948,6 +1025,35 @@ async def submit(
     return await _register_after(
         r, keys, queue, on_slot(once, keys.tasks(queue), waited), registered=registers
     )
+
+
+def check_ids(jobs: Sequence[Submission]) -> list[str]:
+    """The ids of one submit's jobs; `DuplicateTaskError` if one appears twice."""
+    ids = [job.envelope.header.id for job in jobs]
+    if len(set(ids)) != len(ids):
+        raise DuplicateTaskError("the same job id appears twice in one submit")
+    return ids
+
+
+def submit_writes(
+    pipe: Pipeline, keys: Keys, queue: str, jobs: Sequence[Submission], *, life: str
+) -> None:
+    """Queue the writes of `submit` (steps 3-6): the records, the pushes of the jobs
+    due now (one priority per submit) and the delayed set's entries of the others."""
+    level = jobs[0].envelope.header.priority
+    ready = [job.envelope.raw for job in jobs if job.due_ms is None]
+    later = [job for job in jobs if job.due_ms is not None]
+    for job in jobs:
+        state = "queued" if job.due_ms is None else "delayed"
+        _record_job(pipe, keys, queue, job.envelope, state, job.due_ms, life=life)
+    if ready:
+        pipe.execute_command("RPUSH", keys.level(queue, level), *ready)
+        pipe.execute_command(*announce(keys, queue, level, len(ready)))
+    if later:
+        pairs = [part for job in later for part in (job.due_ms, job.envelope.raw)]
+        pipe.execute_command("ZADD", keys.delayed(queue), *pairs)
+        earliest = min(job.due_ms or 0 for job in later)
+        pipe.execute_command("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest)))
 
 
 def live_score(score: Any) -> bool:
@@ -1133,19 +1239,24 @@ async def take_overdue(r: Client, keys: Keys, ref: ProcessRef, error: str, now_m
 
 @redis_boundary
 async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int) -> bool:
-    """End a job that is queued, delayed or running, as failed with the error
-    ``cancelled``; False if it is unknown or already ended.
+    """End a job that is waiting, queued, delayed or running, as failed with the
+    error ``cancelled``; False if it is unknown or already ended.
 
     A running attempt cannot be removed from its process here: the ``cancel`` event
     asks its worker to stop it, and whatever ends the attempt later (`finish`,
     `fail`, `stop`, `reclaim`) sees the job ended: it keeps this outcome and puts
     the job nowhere again.
-      1. WATCH j:<id>;  HMGET j:<id> state env   -> not queued/delayed: UNWATCH, False
+      1. WATCH j:<id>;  HMGET j:<id> state env waited after
+                                                  -> not waiting/queued/delayed:
+                                                     UNWATCH, False
          LPOS tasks <env>                         (queued: nil means an attempt runs)
          found: WATCH tasks;  LPOS tasks <env>    (a dequeue since the first look, or
                                                    before EXEC, is not missed)
+         (waited) TYPE released;  TYPE after:<id>   -> not sets: UNWATCH, raise
+                  WATCH after:<id>;  SMEMBERS after:<id>   -> the jobs to hand on
       2. MULTI
       3. LREM tasks 0 <envelope>;  ZREM delayed <envelope>;  HDEL deaths job:<id>
+         (waiting) SREM released <id>;  SREM after:<dependency> <id>...
       4. the writes of `_end_job` with the error "cancelled"
       5. PUBLISH events cancel:<envelope>
       6. PUBLISH done done:[{"job_id", "status": "failed", "error": "cancelled", ...}]
@@ -1154,8 +1265,8 @@ async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int
     record = keys.job(queue, job_id)
 
     async def body(pipe: Pipeline) -> bool:
-        state, raw = await read(pipe, "HMGET", record, "state", "env")
-        if state is None or raw is None or text(state) not in ("queued", "delayed"):
+        state, raw, waited_on, after = await read(pipe, "HMGET", record, *LOOK, "after")
+        if state is None or raw is None or text(state) not in ("waiting", "queued", "delayed"):
             return False
         envelope = envelope_of(text(raw))
         if envelope is None:
@@ -1164,11 +1275,27 @@ async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int
         waits_in = keys.level(queue, envelope.header.priority)
         if text(state) == "queued" and not await _still_queued(pipe, waits_in, raw):
             attempts += 1  # not in the list: an attempt runs (and counts)
+        waiters = None
+        if waited_on is not None:
+            waiters = await _waiters(pipe, keys, queue, job_id)
         pipe.multi()
         pipe.execute_command("LREM", waits_in, 0, envelope.raw)
         pipe.execute_command("ZREM", keys.delayed(queue), envelope.raw)
         pipe.execute_command("HDEL", keys.deaths(queue), f"job:{job_id}")
-        _end_job(pipe, keys, queue, envelope.header, now_ms, error=CANCELLED, attempts=attempts)
+        if text(state) == "waiting":  # its entries go (stale ones would be harmless)
+            pipe.execute_command("SREM", keys.released(queue), job_id)
+            for dependency in dependencies_of(None if after is None else text(after)):
+                pipe.execute_command("SREM", keys.after(queue, dependency), job_id)
+        _end_job(
+            pipe,
+            keys,
+            queue,
+            envelope.header,
+            now_ms,
+            error=CANCELLED,
+            attempts=attempts,
+            waiters=waiters,
+        )
         _trim_jobs(pipe, keys, queue, now_ms)
         pipe.execute_command("PUBLISH", keys.events(queue), event("cancel", envelope.raw))
         notice = done_record(None, "", envelope.payload, None, job_id=job_id, error=CANCELLED)
@@ -1576,9 +1703,10 @@ class Ending:
     writes: Callable[[Pipeline], None]
 
 
-Plan = Callable[[str, Envelope | None, bool], Ending]
-"""What ending a process writes, given its task, its envelope (a job) and whether the
-job ended already (cancelled while its attempt ran)."""
+Plan = Callable[[str, Envelope | None, bool, list[str] | None], Ending]
+"""What ending a process writes, given its task, its envelope (a job), whether the
+job ended already (cancelled while its attempt ran) and, if other jobs wait for it
+(see `waited`), those to hand on (else None)."""
 
 
 def local_ms(now_ms: int | None) -> int:
@@ -1618,12 +1746,15 @@ async def _end_process(
     WATCH is needed because the unique mark may only be released while the process
     exists: a late finish after a reclaim must not free the mark of the requeued task;
     and a job's record is watched because a cancel may end the job meanwhile.
-      1. WATCH p:<id> [j:<job>]           (known: one round trip)
+      1. WATCH p:<id> [j:<job> after:<job>]  (known: one round trip)
          EXISTS p:<id>                    -> 0: UNWATCH, return None (gone)
-           with it, on the same connection: TYPE <key> (per check);
-           HMGET j:<job> state            -> done/failed: the job ended (cancelled)
-         (not known: WATCH p:<id>;  LINDEX p:<id> 0 -> nil: gone;  WATCH j:<job>;
-          then the reads beside, alone)
+           with it, on the same connection: TYPE <key> (per check, and for a
+           job released and after:<job>, which a waited job's end writes);
+           SMEMBERS after:<job>            -> the jobs waiting for it
+           HMGET j:<job> state env waited -> done/failed: the job ended (cancelled);
+                                             waited: its end hands those on
+         (not known: WATCH p:<id>;  LINDEX p:<id> 0 -> nil: gone;  WATCH j:<job>
+          after:<job>;  then the reads beside, alone)
          a checked key not of its type: UNWATCH, raise (nothing written)
       2. MULTI
       3. DEL p:<id>
@@ -1637,7 +1768,9 @@ async def _end_process(
     queue = ref.queue
     proc = keys.process(queue, ref.id)
     given = None if known is None else envelope_of(known)
-    watch = [proc] if given is None else [proc, keys.job(queue, given.header.id)]
+    watch = [proc]
+    if given is not None:
+        watch += [keys.job(queue, given.header.id), keys.after(queue, given.header.id)]
 
     async def body(pipe: Pipeline) -> str | None:
         if known is None:
@@ -1646,12 +1779,17 @@ async def _end_process(
                 return None
             task, envelope = text(raw), envelope_of(text(raw))
             if envelope is not None:
-                await pipe.watch(keys.job(queue, envelope.header.id))
+                job_id = envelope.header.id
+                await pipe.watch(keys.job(queue, job_id), keys.after(queue, job_id))
         else:
             task, envelope = known, given
-        side: list[Command] = [("TYPE", key) for key, _ in checks]
-        if envelope is not None:
-            side.append(("HMGET", keys.job(queue, envelope.header.id), "state", "env"))
+        # A job's end may hand the jobs waiting for it on: the types of those keys are
+        # read here too, in the same round trip, whether it turns out waited or not.
+        typed = [*checks, *(waited_keys(keys, queue, envelope.header.id) if envelope else ())]
+        side: list[Command] = [("TYPE", key) for key, _ in typed]
+        if envelope is not None:  # the jobs waiting for it, and whether it is waited for
+            side.append(("SMEMBERS", keys.after(queue, envelope.header.id)))
+            side.append(("HMGET", keys.job(queue, envelope.header.id), *LOOK))
         if known is None:
             replies = await _beside(pipe, side)
         else:
@@ -1659,9 +1797,10 @@ async def _end_process(
             if not exists:
                 await pipe.reset()
                 return None
-        types = {key: text(found) for (key, _), found in zip(checks, replies, strict=False)}
+        types = {key: text(found) for (key, _), found in zip(typed, replies, strict=False)}
         ended = envelope is not None and _says_ended(replies[-1], envelope.raw)
-        ending = plan(task, envelope, ended)
+        waiters = None if envelope is None else waiters_of(replies[-1], replies[-2])
+        ending = plan(task, envelope, ended, waiters)
         for key, kind in ending.requires:
             found = types.get(key)
             if found is None:
@@ -1709,14 +1848,20 @@ def _end_job(
     result: str | None = None,
     error: str | None = None,
     attempts: int | None = None,
+    waiters: Sequence[str] | None = None,
 ) -> None:
     """Queue the writes that record a job's outcome (done, or failed with ``error``)
-    and let it expire after its result TTL.
+    and let it expire after its result TTL. A job that others wait for (see `waited`)
+    hands ``waiters`` (the members of its ``after`` set, read under WATCH) to the
+    next release, and keeps its outcome for them at least `WAITED_KEEP_MS`; the
+    caller made sure that ``released`` and ``after:<id>`` are sets or absent
+    (`waited_keys`).
 
       HSET j:<id> state done|failed attempts <n> finished <now> [result <r>] [error <e>]
-      HDEL j:<id> env due
-      PEXPIRE j:<id> <result ttl>
+      HDEL j:<id> env due after
+      PEXPIRE j:<id> <ttl>
       ZADD jobs <now + ttl> <id>
+      (waited) SADD released <waiter>...;  DEL after:<id>;  PUBLISH events released:
     (and, once per transaction, `_trim_jobs`)
     """
     record = keys.job(queue, header.id)
@@ -1732,10 +1877,61 @@ def _end_job(
         fields += ["result", result]
     if error is not None:
         fields += ["error", error]
+    waited = waiters is not None
+    ttl = max(header.result_ttl_ms, WAITED_KEEP_MS) if waited else header.result_ttl_ms
     pipe.execute_command("HSET", record, *fields)
-    pipe.execute_command("HDEL", record, "env", "due")
-    pipe.execute_command("PEXPIRE", record, header.result_ttl_ms)
-    pipe.execute_command("ZADD", keys.jobs(queue), now_ms + header.result_ttl_ms, header.id)
+    pipe.execute_command("HDEL", record, "env", "due", "after")
+    pipe.execute_command("PEXPIRE", record, ttl)
+    pipe.execute_command("ZADD", keys.jobs(queue), now_ms + ttl, header.id)
+    if waiters is not None:
+        pipe.execute_command("DEL", keys.after(queue, header.id))
+        if waiters:
+            pipe.execute_command("SADD", keys.released(queue), *waiters)
+            pipe.execute_command("PUBLISH", keys.events(queue), event(RELEASED_EVENT))
+
+
+WAITED_KEEP_MS = 3_600_000
+"""How long at least the outcome of a job that others waited for stays readable (ms):
+the release of its dependents reads it, and may come late when no worker of the
+queue was running as it ended."""
+
+RELEASED_EVENT = "released"
+"""The event telling a queue's workers that waiting jobs were handed to the next
+release (``released:``): one of them releases them."""
+
+
+def waited(reply: Any) -> bool:
+    """Whether an ``HMGET j:<id> state env waited`` reply says that other jobs wait for
+    the job's current life."""
+    return not is_wrong_type(reply) and len(reply) > 2 and reply[2] is not None
+
+
+def waiters_of(look: Any, after: Any) -> list[str] | None:
+    """The jobs a job's end hands on: the members of its ``after`` set (an ``SMEMBERS``
+    reply read under WATCH) when its ``LOOK`` reply says it is waited for, else None."""
+    return members(after) if waited(look) else None
+
+
+def waited_keys(keys: Keys, queue: str, job_id: str) -> tuple[tuple[str, str], ...]:
+    """The keys the end of a waited job writes, with their types: a write of one of
+    them failing inside MULTI would lose the waiting jobs."""
+    return ((keys.released(queue), "set"), (keys.after(queue, job_id), "set"))
+
+
+async def _waiters(pipe: Pipeline, keys: Keys, queue: str, job_id: str) -> list[str]:
+    """In a WATCHed pipeline, for the end of a waited job that did not read them with
+    its fence: check the types of the keys the end writes, watch its ``after`` set and
+    return its members."""
+    for key, kind in waited_keys(keys, queue, job_id):
+        await _require(pipe, key, kind)
+    after = keys.after(queue, job_id)
+    await pipe.watch(after)
+    return members(await call(pipe, "SMEMBERS", after))
+
+
+LOOK = ("state", "env", "waited")
+"""The fields of a job's record an end reads under WATCH: has its life ended (see
+`_says_ended`), and does another job wait for it (`waited`)."""
 
 
 def _trim_jobs(pipe: Pipeline, keys: Keys, queue: str, now_ms: int) -> None:
@@ -1785,7 +1981,7 @@ async def finish(
     """
     now = local_ms(now_ms)
 
-    def plan(task: str, envelope: Envelope | None, ended: bool) -> Ending:
+    def plan(task: str, envelope: Envelope | None, ended: bool, waits: list[str] | None) -> Ending:
         if ended:
             return Ending((), lambda pipe: None)  # cancelled meanwhile: its outcome stays
 
@@ -1794,7 +1990,7 @@ async def finish(
                 record = done_record(ref.id, ref.worker_id, task, result)
             else:
                 header = envelope.header
-                _end_job(pipe, keys, ref.queue, header, now, result=result)
+                _end_job(pipe, keys, ref.queue, header, now, result=result, waiters=waits)
                 _trim_jobs(pipe, keys, ref.queue, now)
                 record = done_record(
                     ref.id,
@@ -1806,7 +2002,9 @@ async def finish(
                 )
             pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", f"[{record}]"))
 
-        return Ending((), writes)
+        job_id = None if envelope is None else envelope.header.id
+        needs = waited_keys(keys, ref.queue, job_id) if waits is not None and job_id else ()
+        return Ending(needs, writes)
 
     return await _end_process(r, keys, ref, plan)
 
@@ -1827,13 +2025,16 @@ async def finish_many(
     Ids are never reused and only `dequeue` writes a process list, so an existing
     p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
     LINDEX of `finish`.
-      1. WATCH p:<id1> ... p:<idk> j:<job>...   (the records of the jobs among them)
+      1. WATCH p:<id1> ... p:<idk> j:<job>... after:<job>...  (the jobs among them)
       2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
                                              (one round trip), and back to 1 with the
                                              ones that exist (the others: False)
-         HMGET j:<job> state ...          (with 2, on the same connection: a job
+         HMGET j:<job> state env waited ...;  SMEMBERS after:<job> ...  (watched too;
+                                             with 2, on the same connection: a job
                                              that ended meanwhile, cancelled, keeps its
                                              outcome: no writes of step 9 for it)
+         TYPE released;  TYPE after:<job> ...  (with 2: a waited job's end writes
+                                             them)  -> not sets: UNWATCH, raise
       3. MULTI
       4. DEL p:<id1> ... p:<idk>
       5. SREM held:<w> <id>...
@@ -1854,20 +2055,41 @@ async def finish_many(
         procs = [keys.process(queue, refs[i].id) for i in remaining]
         job_ids = [done[i][0].job_id for i in remaining]
         records_of = [keys.job(queue, job_id) for job_id in job_ids if job_id is not None]
+        afters_of = [keys.after(queue, job_id) for job_id in job_ids if job_id is not None]
 
         async def body(
             pipe: Pipeline,
             at: list[int] = remaining,
             procs: list[str] = procs,
             records_of: list[str] = records_of,
+            afters_of: list[str] = afters_of,
         ) -> bool:
             # The records are watched too: read with the EXISTS, after the WATCH, a
             # cancel landing after the read aborts EXEC.
-            looks: list[Command] = [("HMGET", record, "state", "env") for record in records_of]
-            exists, *states = await _beside(pipe, [("EXISTS", *procs), *looks])
+            looks: list[Command] = [("HMGET", record, *LOOK) for record in records_of]
+            looks += [("SMEMBERS", after) for after in afters_of]
+            typed = list(
+                dict.fromkeys(
+                    key
+                    for i in at
+                    if (job_id := done[i][0].job_id) is not None
+                    for key, _ in waited_keys(keys, queue, job_id)
+                )
+            )
+            exists, *replies = await _beside(
+                pipe, [("EXISTS", *procs), *looks, *(("TYPE", key) for key in typed)]
+            )
             if exists != len(procs):
                 await pipe.reset()
                 return False
+            states = replies[: len(records_of)]
+            afters = replies[len(records_of) : len(looks)]
+            types = dict(zip(typed, (text(t) for t in replies[len(looks) :]), strict=True))
+            waits = {
+                record: found
+                for record, reply, after in zip(records_of, states, afters, strict=True)
+                if (found := waiters_of(reply, after)) is not None
+            }
             stored_of = {
                 keys.job(queue, p.job_id): p.stored for p, _ in done if p.job_id is not None
             }
@@ -1877,6 +2099,12 @@ async def finish_many(
                 if _says_ended(reply, stored_of[record])
             }
             ending = [done[i] for i in at]
+            for p, _ in ending:  # a failing write of a waited end would lose its waiters
+                if p.job_id is not None and keys.job(queue, p.job_id) in waits.keys() - ended:
+                    for key, kind in waited_keys(keys, queue, p.job_id):
+                        if types[key] not in (kind, "none"):
+                            await pipe.reset()
+                            raise _corrupt(key, types[key])
             plain = [stored(p.task) for p, _ in ending if p.envelope is None]
             timed = [p.id for p, _ in ending if p.envelope and p.envelope.header.timeout]
             pipe.multi()
@@ -1898,7 +2126,8 @@ async def finish_many(
                 header = process.envelope.header
                 if keys.job(queue, header.id) in ended:
                     continue  # cancelled while it ran: its outcome stays
-                _end_job(pipe, keys, queue, header, now, result=result)
+                record = keys.job(queue, header.id)
+                _end_job(pipe, keys, queue, header, now, result=result, waiters=waits.get(record))
                 records.append(
                     done_record(
                         process.id,
@@ -1915,7 +2144,7 @@ async def finish_many(
                 pipe.execute_command("PUBLISH", keys.done(queue), message)
             return True
 
-        whole, _ = await _optimistic(r, [*procs, *records_of], body)
+        whole, _ = await _optimistic(r, [*procs, *records_of, *afters_of], body)
         if whole:
             for i in remaining:
                 outcome[i] = True
@@ -1964,7 +2193,7 @@ async def fail(
     queue = ref.queue
     now = local_ms(now_ms)
 
-    def plan(task: str, envelope: Envelope | None, ended: bool) -> Ending:
+    def plan(task: str, envelope: Envelope | None, ended: bool, waits: list[str] | None) -> Ending:
         if envelope is None:
             record = failed_record(task, error, ref.worker_id, trace=trace)
 
@@ -1990,11 +2219,12 @@ async def fail(
 
             def to_failed(pipe: Pipeline) -> None:
                 pipe.execute_command("RPUSH", keys.failed(queue), record)
-                _end_job(pipe, keys, queue, header, now, error=error)
+                _end_job(pipe, keys, queue, header, now, error=error, waiters=waits)
                 _trim_jobs(pipe, keys, queue, now)
                 pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
 
-            return Ending(((keys.failed(queue), "list"),), to_failed)
+            needs = waited_keys(keys, queue, header.id) if waits is not None else ()
+            return Ending(((keys.failed(queue), "list"), *needs), to_failed)
         wait = delay if delay is not None else backoff_delay(header)
         again = wrap(header.next_attempt(), envelope.payload)
         due = now + round(wait * 1000)
@@ -2153,7 +2383,9 @@ async def reclaim(
       1. WATCH held:<w>;  SMEMBERS held:<w>     -> ids, sorted newest first
          TYPE tasks;  (quarantine) TYPE failed -> not lists: UNWATCH, raise (nothing moved)
       2. LINDEX p:<id> 0 ...;  (quarantine) HMGET deaths <sha1>...   (one round trip each)
-         (jobs) WATCH j:<job>...;  HMGET j:<job> state ...           (another round trip)
+         (jobs) WATCH j:<job>... after:<job>...;  HMGET j:<job> state env waited ...;
+                SMEMBERS after:<job> ...                            (another round trip)
+         (quarantine, waited jobs) TYPE released;  TYPE after:<job>  -> not sets: raise
       3. MULTI
       4. per id, newest first, a job that ended meanwhile (cancelled while it ran):
            DEL p:<id>;  HDEL deaths job:<job>
@@ -2180,7 +2412,12 @@ async def reclaim(
             if quarantine_after:
                 await _require(pipe, keys.failed(queue), "list")
         counts = await _death_counts(pipe, keys, queue, ids, with_counts=bool(quarantine_after))
-        ended = await _ended_jobs(pipe, keys, queue, [task for task, _ in counts.values()])
+        ended, waits = await _ended_jobs(pipe, keys, queue, [t for t, _ in counts.values()])
+        if quarantine_after:  # a quarantined job's end must not lose its waiters
+            for raw in waits.keys() - ended:
+                job_id = _job_id(raw)
+                for key, kind in waited_keys(keys, queue, job_id) if job_id else ():
+                    await _require(pipe, key, kind)
         plan: list[tuple[str, str | None, int]] = []  # what each group of replies is
         leveled = False  # a task went back to another level than normal
         pipe.multi()
@@ -2206,7 +2443,15 @@ async def reclaim(
                 if envelope is None:
                     pipe.execute_command("SREM", keys.unique(queue), stored(task))
                 else:
-                    _end_job(pipe, keys, queue, envelope.header, now, error=error)
+                    _end_job(
+                        pipe,
+                        keys,
+                        queue,
+                        envelope.header,
+                        now,
+                        error=error,
+                        waiters=waits.get(task),
+                    )
                     notice = done_record(
                         pid,
                         worker_id,
@@ -2280,18 +2525,32 @@ async def _death_counts(
     }
 
 
-async def _ended_jobs(pipe: Pipeline, keys: Keys, queue: str, tasks: Sequence[str]) -> set[str]:
-    """In a WATCHed pipeline: watch the records of the jobs among ``tasks`` and return
-    the ids of those that ended already (cancelled while they ran): their envelopes
-    must not go back to the queue."""
+async def _ended_jobs(
+    pipe: Pipeline, keys: Keys, queue: str, tasks: Sequence[str]
+) -> tuple[set[str], dict[str, list[str]]]:
+    """In a WATCHed pipeline: watch the records (and ``after`` sets) of the jobs among
+    ``tasks`` and return the envelopes of those that ended already (cancelled while
+    they ran: they must not go back to the queue), and, for those others wait for
+    (see `waited`), the jobs their end would hand on."""
     envelopes = [envelope for task in tasks if (envelope := envelope_of(task)) is not None]
     if not envelopes:
-        return set()
-    await pipe.watch(*{keys.job(queue, e.header.id) for e in envelopes})
-    states = await _beside(
-        pipe, [("HMGET", keys.job(queue, e.header.id), "state", "env") for e in envelopes]
+        return set(), {}
+    ids = [e.header.id for e in envelopes]
+    await pipe.watch(*{keys.job(queue, i) for i in ids}, *{keys.after(queue, i) for i in ids})
+    replies = await _beside(
+        pipe,
+        [("HMGET", keys.job(queue, i), *LOOK) for i in ids]
+        + [("SMEMBERS", keys.after(queue, i)) for i in ids],
     )
-    return {e.raw for e, reply in zip(envelopes, states, strict=True) if _says_ended(reply, e.raw)}
+    looks = list(zip(envelopes, replies[: len(ids)], replies[len(ids) :], strict=True))
+    return (
+        {e.raw for e, reply, _ in looks if _says_ended(reply, e.raw)},
+        {
+            e.raw: found
+            for e, reply, after in looks
+            if (found := waiters_of(reply, after)) is not None
+        },
+    )
 
 
 def _count(raw: Any) -> int:
@@ -2634,7 +2893,7 @@ async def prune_queues(r: Client, keys: Keys, idle: Sequence[str]) -> list[str]:
     own SADD (after the push, see `enqueue`) re-registers the queue; a `start_work`
     the read missed writes its work list after the read and the registry after that.
       1. SREM queues queue...
-      2. SMEMBERS workers;  EXISTS tasks failed holders delayed (per queue)
+      2. SMEMBERS workers;  EXISTS high tasks low failed holders delayed (per queue)
       3. SMEMBERS w:queues (per listed worker)
       4. SADD queues queue...                       (those in use by now)
     """
@@ -2642,7 +2901,7 @@ async def prune_queues(r: Client, keys: Keys, idle: Sequence[str]) -> list[str]:
         return []
     await reads(r, [("SREM", keys.queues, *idle)])
     checks: list[Command] = [
-        ("EXISTS", keys.tasks(q), keys.failed(q), keys.holders(q), keys.delayed(q)) for q in idle
+        ("EXISTS", *keys.levels(q), keys.failed(q), keys.holders(q), keys.delayed(q)) for q in idle
     ]
     replies = await reads(r, [("SMEMBERS", keys.workers), *checks])
     work_lists = [("SMEMBERS", keys.worker_queues(w)) for w in members(replies[0])]
@@ -2686,6 +2945,8 @@ class QueueLook:
     """The earliest due time in the delayed set (Unix ms), None for none."""
     leveled: bool = False
     """Tasks wait at another level than normal."""
+    released: int = 0
+    """Waiting jobs handed to the next release (see `_ops_deps.release`)."""
 
 
 @redis_boundary
@@ -2694,13 +2955,14 @@ async def touch_worker(
 ) -> list[QueueLook]:
     """Periodic self-check: keep the registry entries true, and per queue count
     waiting tasks, list the processes Redis records under this worker and read the
-    next due time of its delayed jobs (in case a ``delayed`` event was missed).
+    next due time of its delayed jobs and the jobs waiting for a release (in case a
+    ``delayed`` or ``released`` event was missed).
 
     Re-adding is idempotent and heals an entry a racing peer removed just after
     this worker re-registered.
       1. SADD workers <w>;  SADD w:queues queue...
       2. LLEN high;  LLEN tasks;  LLEN low;  SMEMBERS held:<w>
-         ZRANGE delayed 0 0 WITHSCORES                                  (per queue)
+         ZRANGE delayed 0 0 WITHSCORES;  SCARD released                 (per queue)
     """
     commands: list[Command] = [("SADD", keys.workers, worker_id)]
     if queues:
@@ -2709,10 +2971,11 @@ async def touch_worker(
         commands += [("LLEN", key) for key in keys.levels(queue)]
         commands.append(("SMEMBERS", keys.held(queue, worker_id)))
         commands.append(("ZRANGE", keys.delayed(queue), 0, 0, "WITHSCORES"))
+        commands.append(("SCARD", keys.released(queue)))
     per_queue = (await reads(r, commands))[2 if queues else 1 :]
     looks = []
     for i in range(len(queues)):
-        high, normal, low, held, due = per_queue[5 * i : 5 * i + 5]
+        high, normal, low, held, due, released = per_queue[6 * i : 6 * i + 6]
         high, normal, low = (0 if is_wrong_type(n) else int(n) for n in (high, normal, low))
         looks.append(
             QueueLook(
@@ -2720,6 +2983,7 @@ async def touch_worker(
                 None if is_wrong_type(held) else members(held),
                 _first_due(due),
                 bool(high or low),
+                0 if is_wrong_type(released) else int(released),
             )
         )
     return looks
@@ -3002,7 +3266,7 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
     WATCH covers the task list and the delayed set too: every move of an envelope
     between a process list and them (dequeue, stop, reclaim, promotion) writes one of
     them, so an envelope cannot slip past the looks below while they run.
-      1. WATCH j:<id> high tasks low delayed;  HMGET j:<id> state env
+      1. WATCH j:<id> high tasks low delayed;  HMGET j:<id> state env waited
                                                     -> not live: UNWATCH, False
       2. LPOS <its level> <env>;  ZSCORE delayed <env>    -> any: UNWATCH, False
       3. SMEMBERS holders;  SMEMBERS held:<w>;  LINDEX p:<id> 0   -> <env>: UNWATCH, False
@@ -3011,7 +3275,7 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
     record = keys.job(queue, job_id)
 
     async def body(pipe: Pipeline) -> bool:
-        state, raw = await read(pipe, "HMGET", record, "state", "env")
+        state, raw, waited_on = await read(pipe, "HMGET", record, *LOOK)
         envelope = None if raw is None else envelope_of(text(raw))
         if state is None or text(state) not in ("queued", "delayed") or envelope is None:
             return False
@@ -3027,8 +3291,9 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
         tasks = await _beside(pipe, [("LINDEX", keys.process(queue, pid), 0) for pid in pids])
         if any(isinstance(t, str | bytes) and text(t) == env for t in tasks):
             return False
+        waiters = None if waited_on is None else await _waiters(pipe, keys, queue, job_id)
         pipe.multi()
-        _end_job(pipe, keys, queue, envelope.header, now_ms, error=LOST)
+        _end_job(pipe, keys, queue, envelope.header, now_ms, error=LOST, waiters=waiters)
         notice = done_record(None, "", envelope.payload, None, job_id=job_id, error=LOST)
         pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
         return True

@@ -22,11 +22,13 @@ from ._ops import (
     _optimistic,
     _raise_wrong,
     _record_job,
+    announce,
     call,
     event,
     fields_of,
     live_score,
     members,
+    new_life,
     read,
     reads,
     server_ms,
@@ -243,17 +245,18 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
     watched: of the workers that wake for a tick, one submits it and the others find
     it handled. Ticks already in the job index (a job made by hand under a tick's id)
     are not submitted again.
-    Keys: s:<name> (HASH), jobs (ZSET), j:<id>... (HASH), tasks (LIST).
+    Keys: s:<name> (HASH), jobs (ZSET), j:<id>... (HASH), tasks (LIST: the list of
+    the schedule's priority, see `Keys.level`).
       0. HGET <prefix>:schedules <name>          -> another queue, or none: this copy is
                                                   an orphan: fire nothing
       1. WATCH s:<name>
-      2. TIME;  HGETALL s:<name>;  TYPE tasks  -> due ticks after max(since, last), by
+      2. TIME;  HGETALL s:<name>;  TYPE high tasks low  -> due ticks after max(since, last), by
                                                   misfire; none: UNWATCH
       3. ZMSCORE jobs <id>...;  (overlap=False) ZSCORE jobs <job>     -> +inf: skip
       5. MULTI
       6. HSET s:<name> last <tick> [job <id>];  (skipped) HINCRBY s:<name> skipped 1
       7. per job: DEL j:<id>;  HSET j:<id> ...;  ZADD jobs +inf <id>
-      8. RPUSH tasks <envelope>...;  PUBLISH events work:<n>
+      8. RPUSH tasks <envelope>...;  PUBLISH events work:<n>   (work: for high or low)
       9. EXEC                                   -> nil: back to 1
      10. SADD queues queue
     """
@@ -262,8 +265,8 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
         return Firing([], False, None, 0)  # a move drops it, or check(repair=True)
 
     async def body(pipe: Pipeline) -> Firing:
-        clock, raw, kind = await _beside(
-            pipe, [("TIME",), ("HGETALL", key), ("TYPE", keys.tasks(queue))]
+        clock, raw, *kinds = await _beside(
+            pipe, [("TIME",), ("HGETALL", key), *(("TYPE", level) for level in keys.levels(queue))]
         )
         now = server_ms(clock)
         _raise_wrong([("HGETALL", key)], [raw])
@@ -285,10 +288,13 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
         if not definition.overlap:  # one run at a time: missed ticks beyond the latest
             due = due[-1:]  # would run beside it (misfire="all" under overlap=False)
         envelopes: list[Envelope] = []
+        made = definition.job_options()
+        level = keys.level(queue, made.priority)
+        kind = dict(zip(keys.levels(queue), kinds, strict=True))[level]
         if due:
             if text(kind) not in ("list", "none"):
                 await pipe.reset()
-                raise _corrupt(keys.tasks(queue), text(kind))
+                raise _corrupt(level, text(kind))
             ids = [definition.tick_id(name, tick) for tick in due]
             previous = state.get("job") if not definition.overlap else None
             scores, *running = await _beside(
@@ -307,7 +313,6 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
                 if skipped
                 else [job_id for job_id, score in zip(ids, scores, strict=True) if score is None]
             )
-            made = definition.job_options()
             for job_id in fresh:
                 envelopes += made.envelopes([definition.payload], job_id, now)
         pipe.multi()
@@ -317,11 +322,12 @@ async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
         pipe.execute_command("HSET", key, *record)
         if skipped:
             pipe.execute_command("HINCRBY", key, "skipped", 1)
+        life = new_life()
         for envelope in envelopes:
-            _record_job(pipe, keys, queue, envelope, "queued")
+            _record_job(pipe, keys, queue, envelope, "queued", life=life)
         if envelopes:
-            pipe.execute_command("RPUSH", keys.tasks(queue), *(e.raw for e in envelopes))
-            pipe.execute_command("PUBLISH", keys.events(queue), event("work", str(len(envelopes))))
+            pipe.execute_command("RPUSH", level, *(e.raw for e in envelopes))
+            pipe.execute_command(*announce(keys, queue, made.priority, len(envelopes)))
         return Firing([e.header.id for e in envelopes], skipped, next_ms, now)
 
     done, _ = await _optimistic(r, [key], body)

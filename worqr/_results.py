@@ -16,6 +16,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ._deps import dependencies_of
 from ._errors import ClosedError, JobFailedError
 from ._events import Events
 from ._jobs import JobInfo, JobStatus
@@ -163,6 +164,7 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
         enqueued_at=_int(fields.get("enqueued")) / 1000,
         due_at=_seconds(fields.get("due")),
         finished_at=_seconds(fields.get("finished")),
+        after=tuple(dependencies_of(fields.get("after"))) if state == "waiting" else (),
     )
 
 
@@ -191,7 +193,7 @@ _CUT = (
     " and the notice carried only part of it"
 )
 _LINGER = 2.0  # seconds a done channel stays subscribed after its last waiter left
-_STATES = {"queued", "delayed", "done", "failed"}
+_STATES = {"waiting", "queued", "delayed", "done", "failed"}
 _ENDED = (JobStatus.DONE, JobStatus.FAILED)
 
 

@@ -68,6 +68,8 @@ import anyio.abc
 
 from ._errors import ClosedError
 from ._models import Process
+from ._stopping import SignalStop
+from ._tasklog import talk
 from ._worqr import Worqr
 
 logger = logging.getLogger("worqr")
@@ -155,68 +157,43 @@ async def _spawn(command: Sequence[str], env: dict[str, str]) -> asyncio.subproc
 
 
 async def serve(
-    worqr: Worqr, queue: str, command: list[str], *, concurrency: int, grace: float
+    worqr: Worqr,
+    queue: str,
+    command: list[str],
+    *,
+    concurrency: int,
+    grace: float,
+    quiet: bool = False,
 ) -> int:
     """Run ``command`` for each task of ``queue``, ``concurrency`` children at once,
-    until the queue is deleted or a SIGTERM/SIGINT (then stop within ``grace``).
-    Returns the exit code: 0."""
+    until the queue is deleted or a SIGTERM/SIGINT (then stop within ``grace``),
+    logging a line per task (`talk`) unless ``quiet``. Returns the exit code: 0."""
     if not command:
         raise ValueError("give the COMMAND to run after --")
-    worker = _Worker(worqr, queue, command, grace)
+    stop = SignalStop(worqr, grace)
+    worker = _Worker(worqr, command, stop)
     async with anyio.create_task_group() as tg:
         consuming = anyio.CancelScope()
-        await tg.start(worker.stop_on_signals, consuming)
+        await tg.start(stop.watch, consuming)
         with consuming:
             try:
-                await worqr.consume(queue, worker.run_task, concurrency=concurrency)
+                handler = worker.run_task if quiet else talk(worker.run_task)
+                await worqr.consume(queue, handler, concurrency=concurrency)
             except ClosedError:
-                if not worker.signalled:  # shut down while consume was starting
+                if not stop.signalled:  # shut down while consume was starting
                     raise
         tg.cancel_scope.cancel()  # the signal watcher; a shutdown in progress is shielded
     return 0
 
 
 class _Worker:
-    """The handler given to `Worqr.consume`, and the reaction to stop signals."""
+    """The handler given to `Worqr.consume`."""
 
-    def __init__(self, worqr: Worqr, queue: str, command: Sequence[str], grace: float) -> None:
+    def __init__(self, worqr: Worqr, command: Sequence[str], stop: SignalStop) -> None:
         self._worqr = worqr
-        self._queue = queue
         self._command = list(command)
         self._name = os.path.basename(command[0]) or command[0]
-        self._grace = grace
-        self.signalled = False
-
-    async def stop_on_signals(
-        self,
-        consuming: anyio.CancelScope,
-        *,
-        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """On the first SIGTERM or SIGINT, shut the worker down gracefully; keep the
-        signals caught until the end, so that a second one cannot kill this process
-        while its children are being stopped."""
-        extra = {"worker_id": self._worqr.worker_id, "queue": self._queue, "process_id": None}
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            task_status.started()
-            async for signum in signals:
-                name = signal.Signals(signum).name
-                if self.signalled:
-                    logger.warning("%s ignored: already stopping", name, extra=extra)
-                    continue
-                self.signalled = True
-                logger.warning(
-                    "%s: taking no more tasks; running ones get %g s to finish",
-                    name,
-                    self._grace,
-                    extra=extra,
-                )
-                with anyio.CancelScope(shield=True):  # bounded by shutdown itself
-                    await self._worqr.shutdown(grace=self._grace)
-                # Normally consume has returned by now, or returns once the children
-                # of cancelled handlers are reaped; this also ends a consume that
-                # started while shutdown ran.
-                consuming.cancel()
+        self._stop = stop
 
     async def run_task(self, process: Process) -> str | None:
         """Run COMMAND for one task: its result on exit 0, else `CommandFailed`."""
@@ -292,7 +269,7 @@ class _Worker:
                 extra=extra,
             )
             kill_after = KILL_AFTER
-            if self.signalled:
+            if self._stop.signalled:
                 kill_after = SHUTDOWN_KILL_AFTER
             elif overdue:
                 kill_after = TIMEOUT_KILL_AFTER

@@ -48,6 +48,7 @@ from ._connections import (
 
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 _SENTINEL = ("redis+sentinel", "rediss+sentinel")
+_SINGLE = ("redis", "rediss", "unix")
 
 
 def _retrying() -> dict[str, Any]:
@@ -91,6 +92,13 @@ def connect(url: str) -> tuple[Client, list[Closable]]:
     if scheme in _SENTINEL:
         sentinel, master = _sentinel(url)
         return master, [master, _SentinelClients(sentinel)]
+    if scheme not in _SINGLE or "://" not in url:
+        found = f"the scheme {scheme + '://'!r}" if "://" in url else "no scheme"
+        raise ValueError(
+            f"a Redis URL has {found}: use redis://host:port/db, rediss://"
+            " (TLS) or unix:///path.sock for one server, redis+cluster://host:port,host:port"
+            " for a Cluster, or redis+sentinel://host:port,host:port/service for Sentinel"
+        )
     rest, _, query = url.partition("?")
     query, limits = _pool_limits(query, url)
     pool = WaitingPool.from_url(

@@ -1,4 +1,5 @@
-"""``worqr watch``: a live view of the fleet that redraws in place."""
+"""``worqr watch``: a live view of the fleet that redraws in place on a terminal; into
+a pipe or a file, each view is written after the last one, plain text."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ async def watch(worqr: Worqr, out: TextIO, *, interval: float, iterations: int |
     """Redraw queues (with the rate at which their tasks finish or fail), workers and
     the oldest process age every ``interval`` seconds, until Ctrl-C or ``iterations``."""
     previous: dict[str, int] = {}
+    clear = _CLEAR if out.isatty() else ""
     started = time.monotonic()
     count = 0
     try:
@@ -43,7 +45,7 @@ async def watch(worqr: Worqr, out: TextIO, *, interval: float, iterations: int |
                 f"oldest in process: {oldest:.1f} s   uptime: "
                 f"{time.monotonic() - started:.0f} s",
             ]
-            out.write(_CLEAR + "\n".join(lines) + "\n")
+            out.write(clear + "\n".join(lines) + "\n" + ("" if clear else "\n"))
             out.flush()
             if iterations is None or count < iterations:
                 await anyio.sleep(interval)

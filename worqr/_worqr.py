@@ -19,13 +19,14 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from typing_extensions import Self
 
-from . import _ops, _ops_flow, _ops_schedules
+from . import _ops, _ops_deps, _ops_flow, _ops_schedules
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
 from ._clock import ServerClock
 from ._connections import Client, client_without_retries, close_client, decoding_client, strict
 from ._consumer import Consumer, Handler
 from ._delayed import Promoter
+from ._deps import check_after
 from ._envelope import check_job_id, check_plain_task, is_envelope
 from ._errors import (
     BackendError,
@@ -42,6 +43,7 @@ from ._errors import (
 )
 from ._events import Events, Subscribed
 from ._flow import Paused, RateLimit, Throttled, check_rate_limit
+from ._handlers import check_handler
 from ._jobs import Backoff, Job, JobInfo, JobStatus
 from ._jobs import Options as JobOptions
 from ._jobs import options as job_options
@@ -51,6 +53,7 @@ from ._log import PeerLog
 from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo, readable
 from ._names import (
     ProcessRef,
+    check_failed_id,
     check_interval,
     check_prefix,
     check_queue,
@@ -63,6 +66,7 @@ from ._names import (
     split_process_id,
 )
 from ._ops import members, read, text
+from ._release import Releaser
 from ._results import Results, job_info
 from ._scheduler import Scheduler
 from ._schedules import ScheduleInfo, check_name, definition, stored_options
@@ -191,6 +195,7 @@ class Worqr:
         self._clock = ServerClock()
         self._promoter = Promoter(self._redis, self._keys, self._clock, self._log)
         self._scheduler = Scheduler(self._redis, self._keys, self._clock, self._log)
+        self._releaser = Releaser(self._redis, self._keys, self._log)
         self._results = Results(self._events)
         self._jobs_on = False  # the prefix is known to be at protocol 3
         self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its timers' hook
@@ -267,6 +272,7 @@ class Worqr:
                 tg.start_soon(self._events.run)
                 tg.start_soon(self._promoter.run)
                 tg.start_soon(self._scheduler.run)
+                tg.start_soon(self._releaser.run)
                 self._ready.set()
                 await anyio.sleep_forever()
 
@@ -439,12 +445,32 @@ class Worqr:
         """The queue's failed tasks, oldest first."""
         return await _ops.failed_tasks(self._redis, self._keys, check_queue(queue))
 
-    async def retry_failed(self, queue: str, limit: int | None = None) -> int:
+    async def retry_failed(
+        self, queue: str, limit: int | None = None, *, only: str | None = None
+    ) -> int:
         """Put the oldest ``limit`` (default: all) failed tasks back at the end of the
-        queue; returns how many."""
+        queue, or with ``only`` just the failed entry of that id (`FailedTask.id`);
+        returns how many. A job goes back with a fresh set of attempts, unless its id
+        was submitted anew since (then its entry stays listed)."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
             raise TypeError(f"limit must be an int or None, not {type(limit).__name__}")
-        return await _ops.retry_failed(self._redis, self._keys, check_queue(queue), limit)
+        if only is not None and limit is not None:
+            raise ValueError("give limit or only, not both")
+        record_id = None if only is None else check_failed_id(only)
+        return await _ops.retry_failed(
+            self._redis, self._keys, check_queue(queue), limit, record_id
+        )
+
+    async def drop_failed(self, queue: str, failed_id: str) -> bool:
+        """Remove the failed entry of that id (`FailedTask.id`) from the queue's failed
+        list without retrying it; False when no entry has it (retried or dropped)."""
+        record_id = check_failed_id(failed_id)
+        return await _ops.drop_failed(self._redis, self._keys, check_queue(queue), record_id)
+
+    async def clear_failed(self, queue: str) -> int:
+        """Empty the queue's failed list; returns how many entries it held. The
+        outcomes of failed jobs stay readable until their ``result_ttl``."""
+        return await _ops.clear_failed(self._redis, self._keys, check_queue(queue))
 
     # -- jobs --------------------------------------------------------------------------
 
@@ -462,6 +488,7 @@ class Worqr:
         result_ttl: float = _DAY,
         unique: bool = False,
         priority: str = "normal",
+        after: Sequence[str | Job] | None = None,
     ) -> Job:
         """Submit a job: ``payload`` (a str, what the handler gets as ``process.task``)
         with an id, retries, a timeout, a due time and a stored outcome.
@@ -475,6 +502,13 @@ class Worqr:
         the Redis server's clock) holds it back; its outcome stays readable
         ``result_ttl`` seconds after it ended; it waits, and each retry of it, at
         ``priority`` (see `consume`).
+
+        With ``after`` (ids, or `Job` handles, of jobs of the same queue), the job waits (status
+        ``waiting``) until each of them ended done, then is queued (or delayed, until
+        its due time); if one of them fails or is cancelled, this job ends failed
+        without running, with an error that names it. Jobs that ended done already
+        are not waited for; an id with no record is refused: `DependencyError`
+        (nothing is written).
         """
         check_queue(queue)
         given = None if job_id is None else check_job_id(job_id)
@@ -490,7 +524,9 @@ class Worqr:
             unique=unique,
             priority=priority,
         )
-        (job,) = await self._submit(queue, [check_task(payload)], given, choices)
+        (job,) = await self._submit(
+            queue, [check_task(payload)], given, choices, check_after(after, queue)
+        )
         return job
 
     async def submit_many(
@@ -506,9 +542,11 @@ class Worqr:
         result_ttl: float = _DAY,
         unique: bool = False,
         priority: str = "normal",
+        after: Sequence[str | Job] | None = None,
     ) -> list[Job]:
         """`submit` a job per payload, atomically and in one round trip (with
-        ``unique``, a few: none is written if one is live already)."""
+        ``unique`` or ``after``, a few: none is written if one is live already); with
+        ``after``, each of them waits for all of those jobs."""
         check_queue(queue)
         if isinstance(payloads, str):
             raise TypeError("payloads must be a sequence of str, not one str (use submit)")
@@ -522,10 +560,17 @@ class Worqr:
             unique=unique,
             priority=priority,
         )
-        return await self._submit(queue, check_tasks(payloads), None, choices)
+        return await self._submit(
+            queue, check_tasks(payloads), None, choices, check_after(after, queue)
+        )
 
     async def _submit(
-        self, queue: str, payloads: list[str], given: str | None, choices: JobOptions
+        self,
+        queue: str,
+        payloads: list[str],
+        given: str | None,
+        choices: JobOptions,
+        after: list[str],
     ) -> list[Job]:
         await self._enable_jobs()
         now = await self._clock.now_ms(self._redis)
@@ -533,9 +578,14 @@ class Worqr:
         envelopes = choices.envelopes(payloads, given, now)
         jobs = [_ops.Submission(envelope, due) for envelope in envelopes]
         check = given is not None or choices.unique
-        confirmed = await _ops.submit(
-            self._redis, self._once, self._keys, queue, jobs, check=check, wait=self._wait
-        )
+        if after:
+            confirmed = await _ops_deps.submit_after(
+                self._redis, self._keys, queue, jobs, after, wait=self._wait
+            )
+        else:
+            confirmed = await _ops.submit(
+                self._redis, self._once, self._keys, queue, jobs, check=check, wait=self._wait
+            )
         self._require_replicas(confirmed, f"{len(jobs)} job(s) are submitted to {queue!r}")
         return [Job(self, queue, envelope.header.id) for envelope in envelopes]
 
@@ -566,7 +616,15 @@ class Worqr:
 
     async def _cancel_job(self, queue: str, job_id: str) -> bool:
         now = await self._clock.now_ms(self._redis)
-        return await _ops.cancel_job(self._redis, self._keys, queue, job_id, now)
+        if not await _ops.cancel_job(self._redis, self._keys, queue, job_id, now):
+            return False
+        # The jobs waiting for it fail now, not when a worker of the queue comes by
+        # (any peer may release; a worker's own release would find nothing left).
+        try:
+            await _ops_deps.release(self._redis, self._keys, queue)
+        except BackendError as exc:
+            self._log.warning("releasing the jobs waiting for a cancelled job failed: %s", exc)
+        return True
 
     async def _job_result(self, queue: str, job_id: str, timeout: float | None) -> str | None:  # noqa: ASYNC109
         """See `Job.result`."""
@@ -1000,6 +1058,7 @@ class Worqr:
             self._working[queue] = deleted
             self._promoter.watch(queue, None)  # due times announced from now on count
             self._scheduler.watch(queue)
+            self._releaser.watch(queue)
             (due,) = await _ops.next_due(self._redis, self._keys, [queue])
             self._promoter.note(queue, due)
         if waiting:
@@ -1058,13 +1117,16 @@ class Worqr:
         self._held.clear()
 
     def _timers_hook(self, queue: str, kind: str, message: str) -> None:
-        """The queue's events for its delayed jobs' and its schedules' timers."""
+        """The queue's events for its delayed jobs' and its schedules' timers, and its
+        waiting jobs' releases."""
         self._promoter.hook(queue, kind, message)
         self._scheduler.hook(queue, kind, message)
+        self._releaser.hook(queue, kind, message)
 
     def _stop_promoting(self, queue: str) -> None:
         self._promoter.forget(queue)
         self._scheduler.forget(queue)
+        self._releaser.forget(queue)
         hook = self._promoting.pop(queue, None)
         if hook is not None:
             self._events.remove_hook(queue, hook)
@@ -1158,7 +1220,7 @@ class Worqr:
                     await self._repair(problem)
                 except BackendError as exc:  # the others go on; the next check shows it
                     self._log.warning("could not repair %s: %s", problem.kind, exc)
-        return CheckReport(tuple(problems), repaired=repair)
+        return CheckReport(tuple(problems), repaired=repair and bool(problems))
 
     async def _repair(self, problem: Problem) -> None:
         r, keys = self._redis, self._keys
@@ -1198,6 +1260,10 @@ class Worqr:
                 else:
                     now = await self._clock.now_ms(r)
                     await _ops.end_lost_job(r, keys, queue, parsed[2], now)
+        elif problem.kind == "stuck-waiting" and queue and problem.key:
+            parsed = keys.parse(problem.key)
+            if parsed is not None and parsed[0] == "j":
+                await _ops_deps.hand_to_release(r, keys, queue, parsed[2])
         elif problem.kind == "unreadable-flow" and queue:
             await _ops_flow.set_rate_limit(r, keys, queue, None, 0)  # what cannot be read
         elif problem.kind in ("unreadable-schedule", "orphan-schedule") and queue and problem.key:
@@ -1230,6 +1296,12 @@ class Worqr:
 
     def _leases_lost(self) -> bool:
         return self._lost
+
+    def _lease_lapsed(self) -> bool:
+        """Whether this worker's lease may have run out: lost, or its heartbeat not
+        refreshed within ``worker_timeout`` (peers may be failing it now). A consumer
+        takes and starts no task then."""
+        return self._lost or (self._supervisor is not None and self._supervisor.overdue())
 
     async def _lose_leases(self, reason: str) -> None:
         """Fence this worker: every process it held is reported ``lost`` and its
@@ -1279,6 +1351,8 @@ class Worqr:
             if look.waiting:  # a bare work: (a look) when other levels than normal hold some
                 self._events.poke(queue, "work", "" if look.leveled else str(look.waiting))
             self._promoter.note(queue, look.next_due)
+            if look.released:
+                self._releaser.note(queue)
         await self._clock.now_ms(self._redis)  # a fresh sample every 30 s
 
     def _audit_snapshot(self) -> tuple[int, frozenset[str]]:
@@ -1356,6 +1430,7 @@ class Worqr:
                 queues, await _ops.next_due(self._redis, self._keys, queues), strict=True
             ):
                 self._promoter.note(queue, due)
+                self._releaser.note(queue)
             tokens = await _ops.deletions(self._redis, self._keys, queues)
         except BackendError as exc:
             self._log.warning("re-check after reconnect failed: %s", exc)
@@ -1404,15 +1479,18 @@ class Worqr:
         levels high, normal and low in the ratio 16:4:1, so none starves) or
         ``strict`` (always the highest non-empty level).
 
-        Starts the worker and the work on the queue if needed. A returned str (or
-        None) finishes the process with that result; an exception moves the task to
-        the failed list; a ``cancel`` event cancels the handler and finishes its
-        process. Returns when the queue is deleted, `stop_work` is called, or the
-        worker is failed or shut down; cancelling it hands running tasks back.
+        ``handler`` must be an async callable of one argument (`TypeError` before
+        any task is taken otherwise: see `worqr._handlers` for why a plain function is
+        not run in a thread). Starts the worker and the work on the queue if needed.
+        A returned str (or None) finishes the process with that result; an exception
+        moves the task to the failed list (a job may be tried again); any other
+        result fails it for good, since its work is done; a ``cancel`` event cancels
+        the handler and finishes its process. Returns when the queue is deleted,
+        `stop_work` is called, or the worker is failed or shut down; cancelling it
+        hands running tasks back.
         """
         check_queue(queue)
-        if not callable(handler):
-            raise TypeError(f"handler must be callable, not {type(handler).__name__}")
+        check_handler(handler)
         if isinstance(concurrency, bool) or not isinstance(concurrency, int):
             raise TypeError(f"concurrency must be an int, not {type(concurrency).__name__}")
         if concurrency < 1:
@@ -1461,7 +1539,8 @@ class Worqr:
 
         ``fail``, ``retry`` (the handler raised `Retry`, ``delay`` from it) and
         ``timeout`` end the attempt as failed with the error ``detail`` (a job may be
-        tried again); ``cancelled`` finishes a plain task and ends a job as cancelled.
+        tried again); ``refused`` (a result neither str nor None) ends it failed for
+        good; ``cancelled`` finishes a plain task and ends a job as cancelled.
 
         The process stays known to this peer, marked as ending, until Redis has
         answered: forgotten earlier, the audit would find it recorded but unknown and
@@ -1478,6 +1557,10 @@ class Worqr:
         elif outcome in ("finish", "cancelled"):
             result = detail if outcome == "finish" else None
             action = lambda: self._finish_batched(process, ref, result)  # noqa: E731
+        elif outcome == "refused":  # the handler's work is done: never tried again
+            action = lambda: self._fail_process(  # noqa: E731
+                ref, detail or "", final=True, known=process.stored
+            )
         elif outcome in ("fail", "retry", "timeout"):
             action = lambda: self._fail_process(  # noqa: E731
                 ref, detail or "", trace=trace, delay=delay, known=process.stored

@@ -63,6 +63,7 @@ from common import (
     due_times,
     emit,
     parse_args,
+    payload,
     ran,
     round_trips,
     run,
@@ -104,7 +105,7 @@ async def enqueue() -> None:
     redis = await connect()
     begun = time.perf_counter()
     for i in range(ARGS.n):
-        await redis.enqueue_job(TASK, str(i))
+        await redis.enqueue_job(TASK, payload(i, ARGS.payload_bytes))
     emit({"seconds": time.perf_counter() - begun})
     await redis.aclose()
 

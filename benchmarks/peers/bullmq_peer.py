@@ -63,6 +63,7 @@ from common import (
     due_times,
     emit,
     parse_args,
+    payload,
     ran,
     round_trips,
     run,
@@ -91,10 +92,10 @@ async def enqueue() -> None:
     if ARGS.batch:
         for first in range(0, ARGS.n, BATCH):
             last = min(ARGS.n, first + BATCH)
-            await queue.addBulk([task(str(i)) for i in range(first, last)])
+            await queue.addBulk([task(payload(i, ARGS.payload_bytes)) for i in range(first, last)])
     else:
         for i in range(ARGS.n):
-            await queue.add(NAME, {"payload": str(i)})
+            await queue.add(NAME, {"payload": payload(i, ARGS.payload_bytes)})
     emit({"seconds": time.perf_counter() - begun})
     await queue.close()
 

@@ -4,9 +4,10 @@ An adapter is one script per library, run with the Python of that library's own
 virtual environment (their pins conflict), so this module uses only the standard
 library. The suite drives every adapter through the same five modes:
 
-``enqueue --n N [--batch]``
-    Enqueue N no-op tasks, one awaited call each, or with the library's batch call.
-    Prints ``{"seconds": s}`` or ``{"unsupported": "why"}``.
+``enqueue --n N [--batch] [--payload-bytes B]``
+    Enqueue N no-op tasks, one awaited call each, or with the library's batch call;
+    task i's payload is ``str(i)``, or with B > 0 a JSON text of B characters
+    (`payload`). Prints ``{"seconds": s}`` or ``{"unsupported": "why"}``.
 ``drain --concurrency C [--expect N]``
     Run the library's normal worker over a queue filled beforehand, with a no-op
     handler, until N handlers have run (or, without ``--expect``, until idle for
@@ -97,6 +98,16 @@ _buffered = False
 _pending: list[str] = []
 
 
+def payload(i: int, size: int) -> str:
+    """Task i's payload: ``str(i)`` when ``size`` is 0, else a JSON object of ``size``
+    characters (ASCII) that names i, shaped like a real task: an id, a user, an action
+    and a body padded to length."""
+    if size <= 0:
+        return str(i)
+    head = f'{{"id": {i}, "user": "user-{i % 997}@example.com", "action": "send-receipt", "body": "'
+    return head + "x" * max(0, size - len(head) - 2) + '"}'
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The adapters' shared command line."""
     parser = argparse.ArgumentParser()
@@ -105,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--queue", default="bench")
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--batch", action="store_true")
+    parser.add_argument("--payload-bytes", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=10)
     parser.add_argument("--expect", type=int, default=None)
     parser.add_argument("--hang", action="store_true")

@@ -49,7 +49,7 @@ import os
 import sys
 import time
 
-from common import cron_fields, emit, parse_args, ran, say, skew_clock, started
+from common import cron_fields, emit, parse_args, payload, ran, say, skew_clock, started
 from redis import Redis
 from rq import Queue, Worker, get_current_job
 from rq.cron import register
@@ -107,10 +107,15 @@ def enqueue(args: argparse.Namespace, queue: Queue) -> None:
     if args.batch:
         for first in range(0, args.n, BATCH):
             last = min(args.n, first + BATCH)
-            queue.enqueue_many([Queue.prepare_data(JOB, (str(i),)) for i in range(first, last)])
+            queue.enqueue_many(
+                [
+                    Queue.prepare_data(JOB, (payload(i, args.payload_bytes),))
+                    for i in range(first, last)
+                ]
+            )
     else:
         for i in range(args.n):
-            queue.enqueue(JOB, str(i))
+            queue.enqueue(JOB, payload(i, args.payload_bytes))
     emit({"seconds": time.perf_counter() - begun})
 
 

@@ -63,6 +63,7 @@ from common import (
     due_times,
     emit,
     parse_args,
+    payload,
     ran,
     round_trips,
     run,
@@ -106,7 +107,7 @@ async def enqueue() -> None:
     queue = await connect()
     begun = time.perf_counter()
     for i in range(ARGS.n):
-        await queue.enqueue(TASK, payload=str(i))
+        await queue.enqueue(TASK, payload=payload(i, ARGS.payload_bytes))
     emit({"seconds": time.perf_counter() - begun})
     await queue.disconnect()
 

@@ -47,6 +47,7 @@ from common import (
     Schedule,
     emit,
     parse_args,
+    payload,
     round_trips,
     run,
     say,
@@ -77,7 +78,7 @@ async def enqueue() -> None:
     async with producing() as task:
         begun = time.perf_counter()
         for i in range(ARGS.n):
-            await task.kiq(str(i))
+            await task.kiq(payload(i, ARGS.payload_bytes))
         emit({"seconds": time.perf_counter() - begun})
 
 

@@ -37,6 +37,7 @@ from common import (
     due_times,
     emit,
     parse_args,
+    payload,
     ran,
     round_trips,
     run,
@@ -70,10 +71,12 @@ async def enqueue() -> None:
         if ARGS.batch:
             for first in range(0, ARGS.n, BATCH):
                 last = min(ARGS.n, first + BATCH)
-                await worqr.enqueue(ARGS.queue, [str(i) for i in range(first, last)])
+                await worqr.enqueue(
+                    ARGS.queue, [payload(i, ARGS.payload_bytes) for i in range(first, last)]
+                )
         else:
             for i in range(ARGS.n):
-                await worqr.enqueue(ARGS.queue, str(i))
+                await worqr.enqueue(ARGS.queue, payload(i, ARGS.payload_bytes))
         emit({"seconds": time.perf_counter() - begun})
 
 

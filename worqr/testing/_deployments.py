@@ -23,8 +23,8 @@ from typing import Any, BinaryIO, TypeAlias, TypeVar
 
 from typing_extensions import Self
 
-from ._embedded import EmbeddedServer, _command, _tail, find_server_binary, free_port
-from ._errors import ServerStartError
+from .._errors import ServerStartError
+from ._server import EmbeddedServer, _command, _tail, find_server_binary, free_port
 
 _HOST = "127.0.0.1"
 _SLOTS = 16384

@@ -1,0 +1,227 @@
+"""``worqr worker MODULE:HANDLER QUEUE...`` run as a user runs it: a module of their
+own in the current directory, a real server, SIGTERM; and what ``worqr run`` checks
+and says before and while it works."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import pytest
+from redis.asyncio import Redis
+
+from worqr import Worqr
+
+from .helpers import eventually
+
+SCRIPT = Path(sys.executable).parent / "worqr"
+
+HANDLERS = textwrap.dedent(
+    """
+    import anyio
+
+    async def shout(process):
+        if process.task == "boom":
+            raise ValueError("no boom today")
+        if process.task == "hold":
+            await anyio.sleep_forever()
+        return process.task.upper()
+
+    def blocking(process):
+        return "sync"
+
+    class Mailer:
+        async def send(self, process):
+            return "sent " + process.task
+
+    mailer = Mailer()
+    """
+)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Path:
+    (tmp_path / "myapp.py").write_text(HANDLERS)
+    return tmp_path
+
+
+@pytest.fixture
+async def peer(real_client: Redis, prefix: str) -> AsyncIterator[Worqr]:
+    async with Worqr(real_client, prefix=prefix) as worqr:
+        yield worqr
+
+
+def cli(app: Path, redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, *args]
+    return subprocess.run(command, cwd=app, capture_output=True, text=True, timeout=60)
+
+
+@contextlib.asynccontextmanager
+async def command(argv: list[str], app: Path, log: Path) -> AsyncIterator[anyio.abc.Process]:
+    """The command line running in ``app``, its output in ``log``; killed if still
+    running at the end."""
+    with log.open("wb") as sink:
+        process = await anyio.open_process(argv, cwd=app, stdout=sink, stderr=sink)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def stop(process: anyio.abc.Process, signum: signal.Signals = signal.SIGTERM) -> None:
+    """Send ``signum``; the command must leave, with exit code 0."""
+    process.send_signal(signum)
+    with anyio.fail_after(20):
+        assert await process.wait() == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("myapp:blocking", "'blocking' is not an async function"),
+        ("myapp:nothing", "'myapp' has no 'nothing'"),
+        ("nomodule:shout", "no module named 'nomodule'"),
+        ("myapp", "give the handler as MODULE:NAME"),
+    ],
+)
+async def test_a_handler_that_cannot_work_exits_2_before_the_worker_registers(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, spec: str, says: str
+) -> None:
+    await peer.enqueue("q", "t")
+    result = await anyio.to_thread.run_sync(
+        lambda: cli(app, redis_url, prefix, "worker", spec, "q")
+    )
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr
+    assert await peer.get_workers() == []
+    assert await peer.get_tasks("q") == ["t"]
+
+
+async def test_a_worker_serves_its_queues_says_a_line_per_task_and_hands_back_on_sigterm(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    await peer.enqueue("a", ["x", "boom"])
+    await peer.enqueue("b", "y")
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:shout"]
+    argv += ["a", "b", "--concurrency", "2", "--worker-id", "w-cli", "--grace", "0.2"]
+    async with command(argv, app, log) as process:
+
+        async def served() -> bool:
+            return len(await peer.get_failed("a")) == 1 and "'y' done" in log.read_text()
+
+        await eventually(served, within=20)
+        await peer.enqueue("a", "hold")
+
+        async def holding() -> bool:
+            return bool(await peer.get_processes("a"))
+
+        await eventually(holding, within=10)
+        assert [w.id for w in await peer.get_worker_info()] == ["w-cli"]
+        await stop(process)
+    text = log.read_text()
+    assert "a w-cli/" in text and "'x' done in" in text
+    assert "'boom' failed: ValueError: no boom today in" in text
+    assert "Traceback" not in text  # the task's line says what failed
+    assert "SIGTERM: taking no more tasks" in text
+    assert await peer.get_tasks("a") == ["hold"]  # handed back
+    assert await peer.get_workers() == []
+
+
+async def test_a_method_of_an_instance_is_a_handler_and_q_silences_the_task_lines(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    job = await peer.submit("mail", "zoe")
+    log = tmp_path / "worker.log"
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:mailer.send"]
+    async with command([*argv, "mail", "-q"], app, log) as process:
+        assert await job.result(timeout=20) == "sent zoe"
+        await stop(process, signal.SIGINT)
+    assert " done in " not in log.read_text()
+
+
+async def test_run_refuses_a_command_that_does_not_exist_before_taking_work(
+    app: Path, redis_url: str, prefix: str, peer: Worqr
+) -> None:
+    await peer.enqueue("q", "t")
+    for program, says in [
+        ("no-such-program-here", "is not found on PATH"),
+        ("./missing.sh", "is not an executable file"),
+    ]:
+        result = await anyio.to_thread.run_sync(
+            lambda p=program: cli(app, redis_url, prefix, "run", "q", "--", p)  # type: ignore[misc]
+        )
+        assert result.returncode == 2 and says in result.stderr
+    assert await peer.get_workers() == []
+    assert await peer.get_tasks("q") == ["t"]
+
+
+async def _served_by_run(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path, *options: str
+) -> str:
+    """Run ``worqr run q OPTIONS -- echo hi`` until its one task is done; its stderr."""
+    log = tmp_path / f"run{len(options)}.log"
+    await peer.enqueue("q", "t")
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "run", "q", *options]
+    async with command([*argv, "--", "echo", "hi"], app, log) as process:
+
+        async def done() -> bool:
+            return await peer.count_queue("q") == 0 and not await peer.get_processes("q")
+
+        await eventually(done, within=20)
+        await stop(process)
+    return log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("options", "task_line", "child_line"),
+    [
+        ((), True, False),
+        (("-q",), False, False),
+        (("-v",), True, True),
+        (("--log-level", "INFO"), True, True),
+        (("--log-level", "ERROR"), True, False),
+    ],
+)
+async def test_run_says_a_line_per_task_and_more_or_less_as_asked(
+    app: Path,
+    redis_url: str,
+    prefix: str,
+    peer: Worqr,
+    tmp_path: Path,
+    options: tuple[str, ...],
+    task_line: bool,
+    child_line: bool,
+) -> None:
+    """By default a line per task (the child's stdout, at INFO, is not shown); -q
+    silences it; -v and --log-level INFO add worqr's INFO lines, the child's output
+    among them."""
+    text = await _served_by_run(app, redis_url, prefix, peer, tmp_path, *options)
+    assert ("'t' done in" in text) is task_line, text
+    assert ("echo[" in text and ": hi" in text) is child_line, text
+
+
+async def test_the_liveness_options_reach_the_worker(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, real_client: Redis, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:shout", "q"]
+    argv += ["--worker-id", "w-live", "--heartbeat-interval", "0.2", "--worker-timeout", "1.5"]
+    async with command([*argv, "--cleanup-interval", "0.3"], app, log) as process:
+
+        async def registered() -> bool:
+            return [w.id for w in await peer.get_worker_info()] == ["w-live"]
+
+        await eventually(registered, within=20)
+        ttl = await real_client.pttl(f"{prefix}:w:{{w-live}}:alive")
+        assert 0 < ttl <= 1500
+        await stop(process)

@@ -1,0 +1,88 @@
+"""``worqr worker MODULE:HANDLER QUEUE [QUEUE...]``: run an async Python handler on
+queues from the shell, the way `Worqr.consume` does in a program.
+
+``MODULE`` is imported as ``import`` would (the current directory first on the path,
+as ``python -m`` has it); ``HANDLER`` names an attribute of it, dotted for one further
+in (``app.tasks:Mailer.send`` on a class is not bound: give a function or an
+instance's method, ``app.tasks:mailer.send``). It must be an async callable of one
+argument, checked before the worker registers. Each queue gets ``--concurrency``
+handler slots. SIGTERM or SIGINT stops taking work, gives running handlers
+``--grace`` seconds, then hands what is left back to the front of its queue. The
+command imports the module once: a restart (by systemd, a supervisor, Kubernetes)
+loads new code, and no task is lost across it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import anyio
+
+from ._consumer import Handler
+from ._errors import ClosedError
+from ._handlers import check_handler
+from ._stopping import SignalStop
+from ._tasklog import talk
+from ._worqr import Worqr
+
+
+class HandlerNotFound(Exception):
+    """MODULE:HANDLER names no importable module or no attribute of it."""
+
+
+def load_handler(spec: str) -> Handler:
+    """The handler ``spec`` (``module:attribute``) names, checked (`check_handler`);
+    `HandlerNotFound` when it names nothing, `TypeError` when it cannot be a handler."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise HandlerNotFound(f"give the handler as MODULE:NAME (app.tasks:send), got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: object = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):  # the module itself is missing
+            raise HandlerNotFound(f"no module named {module_name!r} (from {spec!r})") from exc
+        raise  # it exists, and an import inside it failed: the traceback says where
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise HandlerNotFound(f"{module_name!r} has no {attribute!r} (from {spec!r})") from None
+    check_handler(target)
+    return target  # type: ignore[return-value]  # checked just above
+
+
+async def serve(
+    worqr: Worqr,
+    queues: list[str],
+    handler: Handler,
+    *,
+    concurrency: int,
+    priority: str,
+    grace: float,
+    quiet: bool,
+) -> int:
+    """Consume every queue of ``queues`` with ``handler`` until each is deleted or a
+    stop signal; returns the exit code, 0."""
+    stop = SignalStop(worqr, grace)
+    work = handler if quiet else talk(handler)
+
+    async def consume(queue: str) -> None:
+        try:
+            await worqr.consume(queue, work, concurrency=concurrency, priority=priority)
+        except ClosedError:
+            if not stop.signalled:  # shut down while consume was starting
+                raise
+
+    async with anyio.create_task_group() as tg:
+        consuming = anyio.CancelScope()
+        await tg.start(stop.watch, consuming)
+        with consuming:
+            async with anyio.create_task_group() as every_queue:
+                for queue in queues:
+                    every_queue.start_soon(consume, queue)
+        tg.cancel_scope.cancel()  # the signal watcher; a shutdown in progress is shielded
+    return 0
