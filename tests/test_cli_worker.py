@@ -117,7 +117,7 @@ async def test_a_worker_serves_its_queues_says_a_line_per_task_and_hands_back_on
     async with command(argv, app, log) as process:
 
         async def served() -> bool:
-            return len(await peer.get_failed("a")) == 1 and "'y' done" in log.read_text()
+            return len(await peer.get_failed("a")) == 1 and "'y': done" in log.read_text()
 
         await eventually(served, within=20)
         await peer.enqueue("a", "hold")
@@ -129,10 +129,12 @@ async def test_a_worker_serves_its_queues_says_a_line_per_task_and_hands_back_on
         assert [w.id for w in await peer.get_worker_info()] == ["w-cli"]
         await stop(process)
     text = log.read_text()
-    assert "a w-cli/" in text and "'x' done in" in text
-    assert "'boom' failed: ValueError: no boom today in" in text
+    assert "a w-cli/" in text and "'x': done (" in text
+    assert "'boom': failed: ValueError: no boom today (" in text
     assert "Traceback" not in text  # the task's line says what failed
     assert "SIGTERM: taking no more tasks" in text
+    assert "worker w-cli starts on 'a', 'b', 2 task(s) at a time" in text
+    assert "'hold': stopped by the shutdown, handed back to its queue (" in text
     assert await peer.get_tasks("a") == ["hold"]  # handed back
     assert await peer.get_workers() == []
 
@@ -146,7 +148,7 @@ async def test_a_method_of_an_instance_is_a_handler_and_q_silences_the_task_line
     async with command([*argv, "mail", "-q"], app, log) as process:
         assert await job.result(timeout=20) == "sent zoe"
         await stop(process, signal.SIGINT)
-    assert " done in " not in log.read_text()
+    assert ": done (" not in log.read_text() and " starts on " not in log.read_text()
 
 
 async def test_run_refuses_a_command_that_does_not_exist_before_taking_work(
@@ -206,7 +208,7 @@ async def test_run_says_a_line_per_task_and_more_or_less_as_asked(
     silences it; -v and --log-level INFO add worqr's INFO lines, the child's output
     among them."""
     text = await _served_by_run(app, redis_url, prefix, peer, tmp_path, *options)
-    assert ("'t' done in" in text) is task_line, text
+    assert ("'t': done (" in text) is task_line, text
     assert ("echo[" in text and ": hi" in text) is child_line, text
 
 

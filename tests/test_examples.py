@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -48,18 +49,23 @@ def test_readme_shows_example_verbatim(path: Path) -> None:
     assert f"```python\n{path.read_text()}```" in readme
 
 
-def test_demo_command_runs(redis_url: str) -> None:
+@pytest.mark.parametrize("how", ["REDIS_URL", "--url"])
+def test_demo_command_runs_and_leaves_no_key_behind(redis_url: str, how: str) -> None:
+    environment = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    argv = [sys.executable, "-m", "worqr", "demo"]
+    if how == "--url":
+        argv += ["--url", redis_url]
+    else:
+        environment["REDIS_URL"] = redis_url
     result = subprocess.run(
-        [sys.executable, "-m", "worqr", "demo"],
-        env={**os.environ, "REDIS_URL": redis_url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        argv, env=environment, capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 lost" in result.stdout
     assert "returned" in result.stdout
+    assert f"on {redis_url}" in result.stdout
+    with redis.Redis.from_url(redis_url) as client:
+        assert list(client.scan_iter(match="worqr-demo-*")) == []
 
 
 def test_readme_commands_match_ci() -> None:

@@ -109,7 +109,7 @@ async def test_failed_attempts_log_a_warning_and_the_last_one_an_error(
                 with pytest.raises(JobFailedError):
                     await job.result(timeout=10)
             tg.cancel_scope.cancel()
-    logged = {(r.levelno, r.getMessage().split(": ")[0]) for r in caplog.records}
+    logged = {(r.levelno, r.getMessage().split(" in 'q', ")[0]) for r in caplog.records}
     assert (logging.WARNING, "job r failed (attempt 1 of 2, another follows)") in logged
     assert (logging.ERROR, "job r failed (attempt 2 of 2)") in logged
     assert (logging.ERROR, "job s failed (attempt 1 of 1)") in logged

@@ -4,6 +4,7 @@ directory of its own, using the plugin's fixtures against a real throwaway serve
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import worqr.testing
 from worqr.testing import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 USER_TESTS = textwrap.dedent(
     """
@@ -68,6 +71,33 @@ def test_a_users_tests_run_on_the_plugins_fixtures(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout
+
+
+def test_readmes_test_runs_as_readme_gives_it(tmp_path: Path) -> None:
+    """README's test of the Example's handler, with README's pytest setting, passes
+    without a warning."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Testing code that uses worqr")[1]
+    test = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    setting = re.search(r"```toml\n(.*?)```", section, re.DOTALL)
+    handler = re.search(r"\nasync def send_email.*?\n\n", readme, re.DOTALL)
+    assert test and setting and handler
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__init__.py").write_text("")
+    (tmp_path / "app" / "tasks.py").write_text(f"from worqr import Process\n{handler[0]}")
+    (tmp_path / "test_app.py").write_text(test[1])
+    (tmp_path / "pyproject.toml").write_text(setting[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"],
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "WORQR_TEST_URL")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout and "warning" not in result.stdout
 
 
 def test_the_public_names(worqr_server: EmbeddedServer) -> None:

@@ -157,9 +157,15 @@ async def cmd_workers(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> in
         }
         for w in workers
     ]
-    rows = [[w.id, ",".join(w.queues), w.in_process, w.heartbeat_age] for w in workers]
-    emit(out, args, data, table(rows, ["WORKER", "QUEUES", "IN PROCESS", "HEARTBEAT AGE (S)"]))
+    rows = [[w.id, ",".join(w.queues), w.in_process, _age(w.heartbeat_age)] for w in workers]
+    emit(out, args, data, table(rows, ["WORKER", "QUEUES", "IN PROCESS", "HEARTBEAT AGE"]))
     return OK
+
+
+def _age(seconds: float | None) -> str:
+    """A heartbeat's age, or why there is none: the worker is dead, its tasks are
+    about to go back."""
+    return "expired (dead)" if seconds is None else f"{seconds:.1f} s"
 
 
 async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
@@ -183,9 +189,15 @@ async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
             "failed_at": f.failed_at,
             "job_id": f.job_id,
             "attempts": f.attempts,
+            "traceback": f.traceback,
         }
         for f in failed
     ]
+    if args.traceback and not args.json:
+        for f in failed:
+            out.write(f"{f.id}  {f.task!r} failed at {_when(f.failed_at)} UTC\n")
+            out.write((f.traceback or f.error or "(no traceback recorded)").rstrip() + "\n\n")
+        return OK
     rows = [[f.id, f.task, f.job_id, f.error, f.worker_id, _when(f.failed_at)] for f in failed]
     header = ["ID", "TASK", "JOB", "ERROR", "WORKER", "FAILED AT (UTC)"]
     emit(out, args, data, table(rows, header))
@@ -315,7 +327,8 @@ async def cmd_retry(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
         emit(out, args, {"retried": 1}, f"retried failed entry {args.id} of {queue!r}")
         return OK
     moved = await worqr.retry_failed(queue, None if args.all else 1)
-    emit(out, args, {"retried": moved}, f"retried {moved} failed task(s) of {queue!r}")
+    which = "" if args.all or not moved else " (the oldest; see worqr failed for the rest)"
+    emit(out, args, {"retried": moved}, f"retried {moved} failed task(s) of {queue!r}{which}")
     return OK
 
 
@@ -655,6 +668,9 @@ def parser() -> argparse.ArgumentParser:
     dropping = failed.add_mutually_exclusive_group()
     dropping.add_argument("--drop", metavar="ID", help="remove the failed entry ID, not retried")
     dropping.add_argument("--clear", action="store_true", help="remove every failed entry")
+    dropping.add_argument(
+        "--traceback", action="store_true", help="each entry with the traceback of its failure"
+    )
     verb("stats", cmd_stats, "fleet-wide counts")
     enqueue = verb("enqueue", cmd_enqueue, "append tasks to a queue")
     enqueue.add_argument("queue")
@@ -808,7 +824,8 @@ def parser() -> argparse.ArgumentParser:
         "--cleanup-interval",
         type=seconds,
         metavar="S",
-        help="seconds between looks for dead workers (default: the worker timeout)",
+        help="seconds between looks for dead workers"
+        " (default: half the worker timeout, at most 0.5)",
     )
     talking = working.add_mutually_exclusive_group()
     talking.add_argument(
@@ -851,7 +868,14 @@ def parser() -> argparse.ArgumentParser:
     watch = verb("watch", cmd_watch, "a live view of queues and workers", json_out=False)
     watch.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes")
     watch.add_argument("--iterations", type=count, help="stop after N refreshes")
-    verbs.add_parser("demo", help="three peers, one SIGKILLed: its tasks come back and finish")
+    demo = "three peers share a queue, one is SIGKILLed: its tasks come back and finish"
+    verbs.add_parser(
+        "demo", help=demo, description=f"{demo}; it leaves no key behind."
+    ).add_argument(
+        "--url",
+        default=argparse.SUPPRESS,
+        help="the server to run on (default: $REDIS_URL, else a server of its own)",
+    )
     return top
 
 
@@ -994,7 +1018,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb == "demo":
         from ._demo import run_demo
 
-        return run_demo()
+        given = any(word == "--url" or word.startswith("--url=") for word in arguments)
+        return run_demo(args.url if given else None)
     try:
         return _loop.run(_dispatch, args)
     except KeyboardInterrupt:

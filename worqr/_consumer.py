@@ -17,7 +17,7 @@ from ._events import work_count
 from ._flow import Throttled
 from ._handlers import BadResult, check_result
 from ._jobs import Retry
-from ._log import PeerLog
+from ._log import PeerLog, excerpt
 from ._models import Process
 
 Handler = Callable[[Process], Awaitable[str | None]]
@@ -345,11 +345,14 @@ class Consumer:
         what = "handler failed" if process.job_id is None else f"job {process.job_id} failed"
         self._log.log(
             logging.ERROR if last else logging.WARNING,
-            "%s (attempt %d of %d%s): %s",
+            "%s (attempt %d of %d%s) in %r, process %s, task %s: %s",
             what,
             process.attempt,
             process.max_attempts,
             "" if last else ", another follows",
+            process.queue,
+            process.id,
+            excerpt(process.task),
             detail,
             exc_info=exc if last else None,
             extra={"queue": process.queue, "process_id": process.id},

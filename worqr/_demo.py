@@ -17,6 +17,7 @@ from . import _loop
 from ._models import Process
 from ._worqr import Worqr
 from .testing import redis_url_or_embedded
+from .testing._server import delete_prefix
 
 QUEUE = "demo"
 TASKS = 24
@@ -105,7 +106,6 @@ async def _run(url: str) -> int:
                 name: list(done.values()).count(name) for name in sorted(set(done.values()))
             }
             clock.say(f"all {TASKS} tasks done, {len(lost)} lost; tasks per peer: {per_peer}")
-            await producer.delete_queue(QUEUE)
             return 1 if lost else 0
     finally:
         for peer in peers:
@@ -119,12 +119,16 @@ async def _run(url: str) -> int:
                 peer.wait()
             if peer.stdout is not None:
                 peer.stdout.close()
+        await delete_prefix(url, prefix)  # on a server of the user's own, nothing stays
 
 
-def run_demo() -> int:
-    """Run the demo; 0 when every task was done."""
-    with redis_url_or_embedded() as url:
+def run_demo(url: str | None = None) -> int:
+    """Run the demo on ``url`` (else REDIS_URL, else an embedded server); 0 when every
+    task was done."""
+    if url is not None:
         return _loop.run(_run, url)
+    with redis_url_or_embedded() as given:
+        return _loop.run(_run, given)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ else:
 
 logger = logging.getLogger("worqr")
 
+TASK_EXCERPT = 60
+"""Characters of a task shown in a log line (the rest is cut, marked with ...)."""
+
+
+def excerpt(task: str) -> str:
+    """The start of ``task``, quoted, for a log line."""
+    return repr(task if len(task) <= TASK_EXCERPT else task[: TASK_EXCERPT - 3] + "...")
+
 
 class PeerLog(_Adapter):
     """The ``worqr`` logger as seen from one peer."""

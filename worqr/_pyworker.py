@@ -24,7 +24,7 @@ from ._consumer import Handler
 from ._errors import ClosedError
 from ._handlers import check_handler
 from ._stopping import SignalStop
-from ._tasklog import talk
+from ._tasklog import announce, talk
 from ._worqr import Worqr
 
 
@@ -68,7 +68,7 @@ async def serve(
     """Consume every queue of ``queues`` with ``handler`` until each is deleted or a
     stop signal; returns the exit code, 0."""
     stop = SignalStop(worqr, grace)
-    work = handler if quiet else talk(handler)
+    work = handler if quiet else talk(handler, lambda: stop.signalled)
 
     async def consume(queue: str) -> None:
         try:
@@ -77,6 +77,8 @@ async def serve(
             if not stop.signalled:  # shut down while consume was starting
                 raise
 
+    if not quiet:
+        announce(worqr.worker_id, queues, concurrency)
     async with anyio.create_task_group() as tg:
         consuming = anyio.CancelScope()
         await tg.start(stop.watch, consuming)

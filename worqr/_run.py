@@ -69,7 +69,7 @@ import anyio.abc
 from ._errors import ClosedError
 from ._models import Process
 from ._stopping import SignalStop
-from ._tasklog import talk
+from ._tasklog import announce, talk
 from ._worqr import Worqr
 
 logger = logging.getLogger("worqr")
@@ -172,12 +172,16 @@ async def serve(
         raise ValueError("give the COMMAND to run after --")
     stop = SignalStop(worqr, grace)
     worker = _Worker(worqr, command, stop)
+    if not quiet:
+        announce(worqr.worker_id, [queue], concurrency)
     async with anyio.create_task_group() as tg:
         consuming = anyio.CancelScope()
         await tg.start(stop.watch, consuming)
         with consuming:
             try:
-                handler = worker.run_task if quiet else talk(worker.run_task)
+                handler = (
+                    worker.run_task if quiet else talk(worker.run_task, lambda: stop.signalled)
+                )
                 await worqr.consume(queue, handler, concurrency=concurrency)
             except ClosedError:
                 if not stop.signalled:  # shut down while consume was starting

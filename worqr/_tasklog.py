@@ -1,26 +1,38 @@
 """One line per task for the command-line workers: on the ``worqr.tasks`` logger, at
-INFO, when a handler ends: its queue, process id, the start of its task, the outcome
-and how long the handler ran. ``worqr run`` and ``worqr worker`` show these lines on
-stderr unless ``-q``; a program that embeds `Worqr` can wrap its handler the same way
-or leave the logger quiet."""
+INFO, when a handler ends: its queue, process id (and job id), the start of its task,
+the outcome and how long the handler ran; and one line when a worker starts.
+``worqr run`` and ``worqr worker`` show these lines on stderr unless ``-q``; a program
+that embeds `Worqr` can wrap its handler the same way or leave the logger quiet."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 from ._consumer import Handler
 from ._handlers import check_result
+from ._log import excerpt
 from ._models import Process
 
 logger = logging.getLogger("worqr.tasks")
 
-TASK_EXCERPT = 60
-"""Characters of a task shown in its line (the rest is cut, marked with ...)."""
+
+def announce(worker_id: str, queues: Sequence[str], concurrency: int) -> None:
+    """The line a command-line worker logs as it starts."""
+    logger.info(
+        "worker %s starts on %s, %d task(s) at a time per queue (SIGTERM or Ctrl-C stops it)",
+        worker_id,
+        ", ".join(repr(queue) for queue in queues),
+        concurrency,
+        extra={"worker_id": worker_id, "queue": None, "process_id": None},
+    )
 
 
-def talk(handler: Handler) -> Handler:
-    """``handler``, logging one line when each call ends (returned, raised, stopped)."""
+def talk(handler: Handler, stopping: Callable[[], bool]) -> Handler:
+    """``handler``, logging one line when each call ends (returned, raised, stopped).
+    ``stopping()`` says whether the worker is shutting down: a handler cancelled then
+    has its task handed back to the front of its queue."""
 
     async def talking(process: Process) -> str | None:
         started = time.monotonic()
@@ -33,19 +45,18 @@ def talk(handler: Handler) -> Handler:
             outcome = f"failed: {type(exc).__name__}: {exc}".split("\n")[0]
             raise
         finally:
+            if outcome == "stopped" and stopping():
+                outcome = "stopped by the shutdown, handed back to its queue"
+            job = "" if process.job_id is None else f" job {process.job_id}"
             logger.info(
-                "%s %s %s %s in %.3f s",
+                "%s %s%s %s: %s (%.3f s)",
                 process.queue,
                 process.id,
-                _excerpt(process.task),
+                job,
+                excerpt(process.task),
                 outcome,
                 time.monotonic() - started,
                 extra={"queue": process.queue, "process_id": process.id},
             )
 
     return talking
-
-
-def _excerpt(task: str) -> str:
-    cut = task if len(task) <= TASK_EXCERPT else task[: TASK_EXCERPT - 3] + "..."
-    return repr(cut)

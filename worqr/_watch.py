@@ -42,8 +42,9 @@ async def watch(worqr: Worqr, out: TextIO, *, interval: float, iterations: int |
             lines += [
                 "",
                 f"workers: {len(workers)}   in process: {len(processes)}   "
-                f"oldest in process: {oldest:.1f} s   uptime: "
+                f"oldest in process: {oldest:.1f} s   watched for: "
                 f"{time.monotonic() - started:.0f} s",
+                *(["(Ctrl-C quits)"] if clear else []),
             ]
             out.write(clear + "\n".join(lines) + "\n" + ("" if clear else "\n"))
             out.flush()

@@ -27,6 +27,7 @@ from typing import BinaryIO
 from typing_extensions import Self
 
 from .._errors import ServerStartError
+from .._urls import connect
 
 _HOST = "127.0.0.1"
 _START_TIMEOUT = 10.0  # seconds to wait for the first answer to PING
@@ -322,6 +323,19 @@ def redis_url_or_embedded() -> Iterator[str]:
         return
     with EmbeddedServer() as server:
         yield server.url
+
+
+async def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix`` on the server (or Cluster) at ``url``: what a
+    test or the demo left there."""
+    client, owned = connect(url)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        for key in keys:  # one by one: on a Cluster, the keys of a prefix span slots
+            await client.delete(key)
+    finally:
+        for closable in owned:
+            await closable.aclose()
 
 
 def _tail(text: str) -> str:

@@ -20,9 +20,8 @@ from typing import Any, TypeVar, cast
 
 import pytest
 
-from .._urls import connect
 from .._worqr import Worqr
-from ._server import EmbeddedServer
+from ._server import EmbeddedServer, delete_prefix
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -60,14 +59,7 @@ async def worqr_prefix(worqr_url: str) -> AsyncIterator[str]:
     """A key prefix of this test's own; every key under it is deleted afterwards."""
     prefix = f"t{uuid.uuid4().hex[:12]}"
     yield prefix
-    client, owned = connect(worqr_url)
-    try:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
-        for key in keys:  # one by one: on a Cluster, the keys of a prefix span slots
-            await client.delete(key)
-    finally:
-        for closable in owned:
-            await closable.aclose()
+    await delete_prefix(worqr_url, prefix)
 
 
 @_async_fixture
