@@ -113,6 +113,7 @@ def test_enqueue_from_stdin_in_batches_and_unique(server: EmbeddedServer) -> Non
         (["tasks", "unknown"], 1, "unknown queue 'unknown'"),
         (["failed", "unknown"], 1, "unknown queue"),
         (["failed", "jobs", "--drop", "not-an-id"], 2, "16 hex digits"),
+        (["failed", "jobs", "--drop", ""], 2, "16 hex digits"),
         (["failed", "jobs", "--drop", "0123456789abcdef", "--clear"], 2, "not allowed with"),
         (["failed", "jobs", "--drop", "0123456789abcdef"], 1, "no failed entry"),
         (["retry", "jobs", "0123456789abcdef"], 1, "not retried: no such entry"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,8 @@ SCRIPT = Path(sys.executable).parent / "worqr"
 
 HANDLERS = textwrap.dedent(
     """
+    import asyncio
+
     import anyio
 
     async def shout(process):
@@ -36,6 +39,13 @@ HANDLERS = textwrap.dedent(
 
     def blocking(process):
         return "sync"
+
+    async def deaf(process):
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
 
     class Mailer:
         async def send(self, process):
@@ -49,6 +59,10 @@ HANDLERS = textwrap.dedent(
 @pytest.fixture
 def app(tmp_path: Path) -> Path:
     (tmp_path / "myapp.py").write_text(HANDLERS)
+    (tmp_path / "needs_dep.py").write_text("import not_installed_anywhere\n")
+    (tmp_path / "app_tasks.py").write_text("import app  # no such module\n")
+    (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
+    (tmp_path / "raises.py").write_text("\n\nraise RuntimeError('SETTINGS not set')\n")
     return tmp_path
 
 
@@ -91,6 +105,14 @@ async def stop(process: anyio.abc.Process, signum: signal.Signals = signal.SIGTE
         ("myapp:nothing", "'myapp' has no 'nothing'"),
         ("nomodule:shout", "no module named 'nomodule'"),
         ("myapp", "give the handler as MODULE:NAME"),
+        (
+            "needs_dep:h",
+            "importing 'needs_dep' failed at needs_dep.py:1: ModuleNotFoundError:"
+            " No module named 'not_installed_anywhere'",
+        ),
+        ("app_tasks:h", "importing 'app_tasks' failed at app_tasks.py:1: ModuleNotFoundError"),
+        ("bad_syntax:h", "importing 'bad_syntax' failed: SyntaxError: "),
+        ("raises:h", "importing 'raises' failed at raises.py:3: RuntimeError: SETTINGS not set"),
     ],
 )
 async def test_a_handler_that_cannot_work_exits_2_before_the_worker_registers(
@@ -101,7 +123,8 @@ async def test_a_handler_that_cannot_work_exits_2_before_the_worker_registers(
         lambda: cli(app, redis_url, prefix, "worker", spec, "q")
     )
     assert result.returncode == 2, result.stderr
-    assert says in result.stderr and "Traceback" not in result.stderr
+    assert says in result.stderr.replace(str(app) + "/", ""), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
     assert await peer.get_workers() == []
     assert await peer.get_tasks("q") == ["t"]
 
@@ -191,7 +214,8 @@ async def _served_by_run(
         (("-q",), False, False),
         (("-v",), True, True),
         (("--log-level", "INFO"), True, True),
-        (("--log-level", "ERROR"), True, False),
+        (("--log-level", "ERROR"), False, False),
+        (("--log-level", "DEBUG"), True, True),
     ],
 )
 async def test_run_says_a_line_per_task_and_more_or_less_as_asked(
@@ -205,8 +229,8 @@ async def test_run_says_a_line_per_task_and_more_or_less_as_asked(
     child_line: bool,
 ) -> None:
     """By default a line per task (the child's stdout, at INFO, is not shown); -q
-    silences it; -v and --log-level INFO add worqr's INFO lines, the child's output
-    among them."""
+    and --log-level WARNING or ERROR silence it; -v and --log-level INFO add worqr's
+    INFO lines, the child's output among them."""
     text = await _served_by_run(app, redis_url, prefix, peer, tmp_path, *options)
     assert ("'t': done (" in text) is task_line, text
     assert ("echo[" in text and ": hi" in text) is child_line, text
@@ -227,3 +251,36 @@ async def test_the_liveness_options_reach_the_worker(
         ttl = await real_client.pttl(f"{prefix}:w:{{w-live}}:alive")
         assert 0 < ttl <= 1500
         await stop(process)
+
+
+async def test_handlers_that_ignore_cancellation_do_not_keep_the_worker_after_its_shutdown(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    """The shutdown hands their tasks back; the worker then exits (code 1) rather than
+    run them beside the peers that take them, and a second signal is not needed."""
+    log = tmp_path / "worker.log"
+    await peer.enqueue("q", ["a", "b"])
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:deaf", "q"]
+    async with command([*argv, "--concurrency", "2", "--grace", "0.2"], app, log) as process:
+
+        async def both_held() -> bool:
+            return len(await peer.get_processes("q")) == 2
+
+        await eventually(both_held, within=20)
+        process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await process.wait() == 1
+    assert "exiting, so that they do not run beside the peers" in log.read_text()
+    assert await peer.get_tasks("q") == ["a", "b"]
+    assert await peer.get_workers() == []
+
+
+async def test_a_bad_handler_is_found_out_before_redis_is_needed(app: Path) -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        nowhere = f"redis://127.0.0.1:{unused.getsockname()[1]}/0"
+    result = await anyio.to_thread.run_sync(
+        lambda: cli(app, nowhere, "p", "worker", "myapp:blocking", "q")
+    )
+    assert result.returncode == 2
+    assert "'blocking' is not an async function" in result.stderr

@@ -3,8 +3,10 @@ result that is neither str nor None: the task fails for good, saying why."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -119,3 +121,41 @@ async def test_a_plain_task_with_a_wrong_result_goes_to_the_failed_list(make: Fa
     assert entry.task == "t"
     assert "handler returned int, not str or None" in entry.error
     assert await worker.get_tasks("q") == []
+
+
+class Outcome(BaseException):
+    """Not an Exception, as pytest.fail's outcome is not."""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 has no Task.cancelling")
+async def test_a_cancellation_the_handler_did_not_get_fails_its_attempt_and_frees_its_slot(
+    make: Factory,
+) -> None:
+    """A handler that awaits a task someone else cancels ends with CancelledError
+    although nobody cancelled the handler: its attempt fails (saying so), and the slot
+    goes on to the next task rather than staying taken with the task in process."""
+    worker = make()
+    runs: list[str] = []
+
+    async def handler(process: Process) -> str:
+        runs.append(process.task)
+        if process.task == "stray":
+            other = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+            asyncio.get_running_loop().call_later(0.01, other.cancel)
+            await other
+        if process.task == "outcome":
+            raise Outcome("not an Exception")
+        return "ok"
+
+    await worker.enqueue("q", ["stray", "outcome", "next"])
+    async with consuming(worker, handler, queue="q", concurrency=1):
+
+        async def all_ended() -> bool:
+            return len(await worker.get_failed("q")) == 2 and runs[-1:] == ["next"]
+
+        await eventually(all_ended)
+    stray, outcome = await worker.get_failed("q")
+    assert stray.task == "stray" and "CancelledError: the handler raised" in stray.error
+    assert "Traceback" in stray.traceback
+    assert (outcome.task, outcome.error) == ("outcome", "Outcome: not an Exception")
+    assert runs == ["stray", "outcome", "next"]

@@ -174,7 +174,7 @@ async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
         cleared = await worqr.clear_failed(queue)
         emit(out, args, {"cleared": cleared}, f"cleared {cleared} failed task(s) of {queue!r}")
         return OK
-    if args.drop:
+    if args.drop is not None:
         if not await worqr.drop_failed(queue, args.drop):
             raise CommandError(f"no failed entry {args.drop!r} in {queue!r}")
         emit(out, args, {"dropped": args.drop}, f"dropped failed entry {args.drop} of {queue!r}")
@@ -580,17 +580,13 @@ async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def cmd_worker(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
-    from ._pyworker import HandlerNotFound, load_handler, serve
+    from ._pyworker import serve
 
     queues = [check_queue(queue) for queue in args.queues]
-    try:
-        handler = load_handler(args.target)
-    except HandlerNotFound as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
     code: int = await serve(
         worqr,
         queues,
-        handler,
+        args.loaded,
         concurrency=args.concurrency,
         priority=args.priority,
         grace=args.grace,
@@ -837,7 +833,8 @@ def parser() -> argparse.ArgumentParser:
     talking.add_argument(
         "--log-level",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="the level of worqr's own log (default: WARNING, with a line per task)",
+        help="the level of worqr's own log; WARNING or ERROR also drop the line per task"
+        " (default: WARNING, with a line per task)",
     )
     run = verbs.add_parser(
         "run",
@@ -883,8 +880,9 @@ RUN_CONTRACT = """work a queue with any program: one child process per task.
 
 Each task starts COMMAND (no shell) with the task on stdin and in WORQR_TASK (up to
 32 KiB), and WORQR_QUEUE, WORQR_PROCESS_ID, WORQR_WORKER_ID, WORQR_ATTEMPT and
-WORQR_MAX_ATTEMPTS (and for a job WORQR_JOB_ID) in its environment. Its stdout and
-stderr go to the log, line by line, with the process id. Exit 0 finishes the task, with
+WORQR_MAX_ATTEMPTS (and for a job WORQR_JOB_ID) in its environment. Its stderr goes
+to the log (a warning), line by line, with the process id; its stdout too with -v.
+Exit 0 finishes the task, with
 the last line of stdout as its result; any other exit fails the attempt with
 "CommandFailed: exit code N: <end of stderr>": a job with attempts left is tried again
 after its backoff, anything else goes to the failed list. A job's attempt that runs past
@@ -903,13 +901,15 @@ WORKER_CONTRACT = """work queues with an async Python handler, as Worqr.consume 
 MODULE is imported (the current directory first on the path, as for python -m) and
 HANDLER is a name in it (dotted for one further in: app.tasks:mailer.send). It must be
 an async function, or an object with an async __call__, that takes the Process and
-returns a str (the result) or None; anything else is refused before the worker
-starts, with exit code 2. Each QUEUE gets --concurrency handler slots. An exception
-fails the attempt (a job with attempts left is tried again after its backoff; other
-tasks go to the failed list). A line per task goes to stderr (queue, process id,
-task, outcome, duration) unless -q. SIGTERM or SIGINT stops taking work, gives
-running handlers --grace seconds, then hands what is left back to the front of its
-queue. The module is imported once: restart the command to load new code."""
+returns a str (the result) or None; anything else, or a module that fails to
+import, is refused before the worker connects, with exit code 2. Each QUEUE gets
+--concurrency handler slots. An exception fails the attempt (a job with attempts left
+is tried again after its backoff; other tasks go to the failed list). A line per task
+goes to stderr (queue, process id, task, outcome, duration) unless -q. SIGTERM or
+SIGINT stops taking work, gives running handlers --grace seconds, then hands what is
+left back to the front of its queue (handlers that ignore their cancellation make it
+exit, code 1, 2 s later). The module is imported once: restart the command to load
+new code."""
 
 
 def worker_id(value: str) -> str:
@@ -994,7 +994,8 @@ def _configure_logging(args: argparse.Namespace) -> None:
     level = args.log_level or ("INFO" if verbose else None)
     if level is not None:
         logging.getLogger("worqr").setLevel(level)
-    logging.getLogger("worqr.tasks").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    silent = args.quiet or args.log_level in ("WARNING", "ERROR")
+    logging.getLogger("worqr.tasks").setLevel(logging.WARNING if silent else logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1015,6 +1016,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is not None:
         args.command = command
     _configure_logging(args)
+    if args.verb == "worker":  # before any connection: a bad handler is a usage error
+        from ._pyworker import HandlerNotFound, load_handler
+
+        try:
+            args.loaded = load_handler(args.target)
+        except (HandlerNotFound, TypeError) as exc:
+            return _fail(args, USAGE, exc)
     if args.verb == "demo":
         from ._demo import run_demo
 

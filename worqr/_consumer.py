@@ -303,18 +303,23 @@ class Consumer:
             detail = check_result(result)
             if process.timeout is not None and time.monotonic() - started > process.timeout:
                 self._end_now(process.id, _TIMED_OUT)  # it ran over without yielding
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if process.id not in self._ending:
-                raise  # not ours (the event loop is closing)
+                if not _stray():
+                    raise  # not ours: the event loop is closing
+                outcome, detail, error = "fail", _STRAY_CANCEL, exc
         except Retry as exc:
             outcome, detail, delay = "retry", f"Retry: {exc}", exc.delay
             if process.attempt >= process.max_attempts:
                 detail += f", but attempt {process.attempt} of {process.max_attempts} was the last"
         except BadResult as exc:
             outcome, detail, error = _REFUSED, f"TypeError: {exc}", exc
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise  # they stop the program: its tasks go back, as at any exit
+        except BaseException as exc:  # an Exception, or another kind (pytest.fail's)
             outcome, detail, error = "fail", f"{type(exc).__name__}: {exc}", exc
-            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if outcome == "fail" and error is not None:
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         if process.id in self._ending:  # cancelled by us, even if the handler swallowed it
             _uncancel()
             outcome, detail, trace, error = self._ending.pop(process.id), None, "", None
@@ -357,6 +362,24 @@ class Consumer:
             exc_info=exc if last else None,
             extra={"queue": process.queue, "process_id": process.id},
         )
+
+
+_STRAY_CANCEL = (
+    "CancelledError: the handler raised CancelledError that worqr did not send"
+    " (from a task or future it awaited, cancelled elsewhere?)"
+)
+
+
+def _stray() -> bool:
+    """Whether a CancelledError out of a handler is the handler's own (a task or
+    future it awaited was cancelled by someone else), not a cancellation of the
+    handler's task: its attempt fails, rather than its slot staying taken. Python
+    3.10 cannot tell the two apart (no ``Task.cancelling``): there it is taken as the
+    loop closing, as before."""
+    if sys.version_info < (3, 11):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
 
 
 def _uncancel() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 
 import anyio
 
@@ -43,9 +44,11 @@ def load_handler(spec: str) -> Handler:
     try:
         target: object = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):  # the module itself is missing
+        if exc.name and _names_a_part(module_name, exc.name):  # the module itself is missing
             raise HandlerNotFound(f"no module named {module_name!r} (from {spec!r})") from exc
-        raise  # it exists, and an import inside it failed: the traceback says where
+        raise HandlerNotFound(_import_failure(module_name, exc)) from exc
+    except Exception as exc:  # it exists, and running it failed: say what and where
+        raise HandlerNotFound(_import_failure(module_name, exc)) from exc
     for part in attribute.split("."):
         try:
             target = getattr(target, part)
@@ -53,6 +56,28 @@ def load_handler(spec: str) -> Handler:
             raise HandlerNotFound(f"{module_name!r} has no {attribute!r} (from {spec!r})") from None
     check_handler(target)
     return target  # type: ignore[return-value]  # checked just above
+
+
+def _names_a_part(module_name: str, missing: str) -> bool:
+    """Whether ``missing`` is ``module_name`` or a package it is in (app, app.tasks
+    for app.tasks), not a module whose name merely starts the same."""
+    parts = module_name.split(".")
+    return missing in {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+
+
+def _import_failure(module_name: str, exc: Exception) -> str:
+    """One line on an import that failed inside the module: the error, and the line
+    of the user's code that raised it (``--debug`` shows the whole traceback)."""
+    where = ""
+    if not isinstance(exc, SyntaxError):  # a SyntaxError's text names its line
+        frames = [
+            frame
+            for frame in traceback.extract_tb(exc.__traceback__)
+            if "importlib" not in frame.filename
+        ]
+        if frames:
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}"
+    return f"importing {module_name!r} failed{where}: {type(exc).__name__}: {exc}"
 
 
 async def serve(

@@ -1,10 +1,13 @@
 """Graceful stop of the command-line workers (``worqr run``, ``worqr worker``) on
 SIGTERM or SIGINT: take no more work, give running handlers ``grace`` seconds, then
-hand what is left back to the front of its queue (`Worqr.shutdown`)."""
+hand what is left back to the front of its queue (`Worqr.shutdown`). Handlers that
+ignore their cancellation make the process exit (code 1) soon after, rather than run
+beside the peers that take their tasks."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import anyio
@@ -13,6 +16,12 @@ import anyio.abc
 from ._worqr import Worqr
 
 logger = logging.getLogger("worqr")
+
+STUCK_LIMIT = 2.0
+"""Seconds a command-line worker waits, after its shutdown, for handlers that ignore
+their cancellation before it exits without them."""
+
+STUCK_EXIT = 1
 
 
 class SignalStop:
@@ -52,3 +61,13 @@ class SignalStop:
                 # Normally consume has returned by now; this also ends a consume that
                 # started while shutdown ran.
                 consuming.cancel()
+                await anyio.sleep(STUCK_LIMIT)  # cancelled once consume has ended
+                logger.error(
+                    "handlers still run %g s after the shutdown handed their tasks back"
+                    " (they ignore cancellation): exiting, so that they do not run beside"
+                    " the peers that take those tasks",
+                    STUCK_LIMIT,
+                    extra=extra,
+                )
+                logging.shutdown()
+                os._exit(STUCK_EXIT)

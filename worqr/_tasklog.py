@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ._consumer import Handler
-from ._handlers import check_result
+from ._handlers import BadResult, check_result
 from ._log import excerpt
 from ._models import Process
 
@@ -41,6 +41,9 @@ def talk(handler: Handler, stopping: Callable[[], bool]) -> Handler:
             result = check_result(await handler(process))
             outcome = "done"
             return result
+        except BadResult as exc:  # the record says TypeError: so does the line
+            outcome = f"failed: TypeError: {exc}".split("\n")[0]
+            raise
         except Exception as exc:
             outcome = f"failed: {type(exc).__name__}: {exc}".split("\n")[0]
             raise
