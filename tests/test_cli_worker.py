@@ -284,3 +284,19 @@ async def test_a_bad_handler_is_found_out_before_redis_is_needed(app: Path) -> N
     )
     assert result.returncode == 2
     assert "'blocking' is not an async function" in result.stderr
+
+
+async def test_a_queue_named_twice_is_worked_once(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    await peer.enqueue("q", ["hold", "hold"])
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:shout"]
+    async with command([*argv, "q", "q", "--grace", "0.1"], app, tmp_path / "log") as process:
+
+        async def holding() -> bool:
+            return bool(await peer.get_processes("q"))
+
+        await eventually(holding, within=20)
+        await anyio.sleep(0.5)  # a second consumer of q would take the other one now
+        assert len(await peer.get_processes("q")) == 1
+        await stop(process)

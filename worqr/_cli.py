@@ -582,7 +582,7 @@ async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
 async def cmd_worker(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     from ._pyworker import serve
 
-    queues = [check_queue(queue) for queue in args.queues]
+    queues = list(dict.fromkeys(check_queue(queue) for queue in args.queues))  # once each
     code: int = await serve(
         worqr,
         queues,

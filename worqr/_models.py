@@ -73,7 +73,8 @@ class FailedTask:
     """A job's last envelope as stored: `Worqr.retry_failed` submits it anew from it."""
     id: str = field(default="", compare=False)
     """The record's id, for `Worqr.retry_failed` (``only=``) and `Worqr.drop_failed`:
-    16 hex digits, a digest of the record as stored."""
+    16 hex digits, a digest of the record as stored. Records identical byte for byte
+    (written by hand or by another client) share their id: each call takes one."""
 
     @property
     def raw(self) -> bytes:
