@@ -811,6 +811,7 @@ def parser() -> argparse.ArgumentParser:
     )
     working.add_argument(
         "--worker-timeout",
+        "--timeout",
         type=seconds,
         default=3.0,
         metavar="S",
