@@ -236,7 +236,7 @@ async def test_run_says_a_line_per_task_and_more_or_less_as_asked(
     assert ("echo[" in text and ": hi" in text) is child_line, text
 
 
-@pytest.mark.parametrize("timeout", ["--worker-timeout", "--timeout"])
+@pytest.mark.parametrize("timeout_option", ["--worker-timeout", "--timeout"])
 async def test_the_liveness_options_reach_the_worker(
     app: Path,
     redis_url: str,
@@ -244,11 +244,11 @@ async def test_the_liveness_options_reach_the_worker(
     peer: Worqr,
     real_client: Redis,
     tmp_path: Path,
-    timeout: str,
+    timeout_option: str,
 ) -> None:
     log = tmp_path / "worker.log"
     argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:shout", "q"]
-    argv += ["--worker-id", "w-live", "--heartbeat-interval", "0.2", timeout, "1.5"]
+    argv += ["--worker-id", "w-live", "--heartbeat-interval", "0.2", timeout_option, "1.5"]
     async with command([*argv, "--cleanup-interval", "0.3"], app, log) as process:
 
         async def registered() -> bool:
