@@ -191,6 +191,7 @@ class Worqr:
         self._epoch = 0
         self._closed = False
         self._stats = LocalStats()
+        self._workers_reclaimed = 0  # dead workers this peer reclaimed, for the metrics
         self._reported: dict[str, float] = {}  # corrupt key -> when it was last logged
         self._clock = ServerClock()
         self._promoter = Promoter(self._redis, self._keys, self._clock, self._log)
@@ -1195,8 +1196,12 @@ class Worqr:
         if outcome is None:
             return False
         self._report_corrupt(outcome.corrupt)
+        self._workers_reclaimed += 1
         for queue, reclaimed in outcome.reclaimed.items():
             if reclaimed.returned or reclaimed.quarantined:
+                self._stats.note_reclaim(
+                    queue, returned=len(reclaimed.returned), quarantined=len(reclaimed.quarantined)
+                )
                 self._log.info(
                     "reclaimed %d task(s) of dead worker %s, quarantined %d",
                     len(reclaimed.returned),
