@@ -333,6 +333,7 @@ VERB_DOCS = [
     ("delete", [["delete", "reports"]]),
     ("run", []),
     ("worker", []),
+    ("dashboard", []),
     ("watch", []),
     ("demo", []),
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -601,6 +602,28 @@ async def cmd_watch(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     return await watch(worqr, out, interval=args.interval, iterations=args.iterations)
 
 
+async def cmd_dashboard(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
+    """Serve `worqr.web.create_app` until SIGINT or SIGTERM."""
+    if args.token is None and not args.insecure and not _loopback(args.host):
+        raise argparse.ArgumentTypeError(
+            f"--host {args.host} without --token would let anyone on the network change"
+            " queues: give --token, or --insecure to do it all the same"
+        )
+    try:
+        from .web._serve import serve
+    except ImportError as exc:
+        raise CommandError(f'{exc}: pip install "worqr[web]"') from None
+    started = await serve(worqr, host=args.host, port=args.port, token=args.token)
+    return OK if started else FAILED
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 # -- the parser and the boundary ------------------------------------------------------------
 
 
@@ -863,6 +886,13 @@ def parser() -> argparse.ArgumentParser:
         default="weighted",
         help="how the levels are served: 16:4:1, or always the highest (default: weighted)",
     )
+    dashboard = verb("dashboard", cmd_dashboard, "serve the HTTP API and /metrics", json_out=False)
+    dashboard.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    dashboard.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
+    dashboard.add_argument("--token", help="what writes must present as Authorization: Bearer")
+    dashboard.add_argument(
+        "--insecure", action="store_true", help="allow a --host off loopback without --token"
+    )
     watch = verb("watch", cmd_watch, "a live view of queues and workers", json_out=False)
     watch.add_argument("--interval", type=seconds, default=1.0, help="seconds between refreshes")
     watch.add_argument("--iterations", type=count, help="stop after N refreshes")
@@ -926,6 +956,13 @@ def _named(what: str, kind: Callable[[str], _N], value: str) -> _N:
         return kind(value)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{what} {exc}") from exc
+
+
+def port(value: str) -> int:
+    number = _number(value, int, "a port number")
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0 to 65535), got {value}")
+    return number
 
 
 def count(value: str) -> int:

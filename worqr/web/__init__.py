@@ -1,0 +1,90 @@
+"""worqr over HTTP (``pip install "worqr[web]"``): `create_app` makes an ASGI app
+with a JSON API under ``/api/`` for clients without a Redis client (docs/http.md)
+and ``/metrics`` for Prometheus (`worqr.metrics`). ``worqr dashboard`` serves it.
+
+With a token, every request that changes something (any method but GET) must carry
+``Authorization: Bearer <token>``; reads are open. Without one, nothing is checked:
+``worqr dashboard`` then listens on loopback only unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+
+try:
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+except ImportError as exc:  # pragma: no cover - the extra is part of the dev install
+    raise ImportError('worqr.web needs Starlette: pip install "worqr[web]"') from exc
+
+from .._worqr import Worqr
+from ..metrics import CONTENT_TYPE, WorqrCollector, scrape
+from . import _api, _problems
+from ._leases import HttpWorkers
+
+__all__ = ["create_app"]
+
+
+def create_app(
+    worqr_or_url: Worqr | str, *, token: str | None = None, prefix: str = "worqr"
+) -> Starlette:
+    """An ASGI app on ``worqr_or_url``: a `Worqr` of yours (left open when the app
+    stops; the app may be mounted in another), or a Redis URL (the app opens a `Worqr`
+    on it, under ``prefix``, in its lifespan: serve it as an app of its own).
+    ``token``: what writes must present as ``Authorization: Bearer``."""
+    if token is not None and (not isinstance(token, str) or not token):
+        raise ValueError("token must be a non-empty string, or None")
+    if not isinstance(worqr_or_url, Worqr | str):
+        raise TypeError(f"create_app needs a Worqr or a Redis URL, not {type(worqr_or_url)}")
+    # A Worqr of the caller's serves at once, mounted in another app too (whose
+    # lifespan does not run this one's); one from a URL lives for the lifespan.
+    held: list[Worqr] = [worqr_or_url] if isinstance(worqr_or_url, Worqr) else []
+    collectors = [WorqrCollector(worqr) for worqr in held]
+    http_workers = HttpWorkers()
+
+    def worqr() -> Worqr:
+        return held[0]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if isinstance(worqr_or_url, str):  # no I/O: it starts while Redis is down too
+            opened = Worqr.from_url(worqr_or_url, prefix=prefix)
+            held[:], collectors[:] = [opened], [WorqrCollector(opened)]
+        try:
+            yield
+        finally:
+            await http_workers.close()
+            if isinstance(worqr_or_url, str):
+                await held[0].close()
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, presented = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, token):
+            raise _problems.Problem("unauthorized", "this needs the token: Authorization: Bearer")
+
+    async def metrics(request: Request) -> Response:
+        return Response(await scrape(collectors[0]), media_type=CONTENT_TYPE)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+        return _problems.answer(code, str(exc.detail))
+
+    app = Starlette(
+        routes=[*_api.routes(worqr, authorize), Route("/metrics", metrics, methods=["GET"])],
+        lifespan=lifespan,
+        exception_handlers={
+            HTTPException: http_error,
+            **dict.fromkeys(_problems.HANDLED, _problems.handle),
+        },
+    )
+    app.state.http_workers = http_workers
+    return app

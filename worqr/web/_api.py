@@ -1,0 +1,406 @@
+"""The routes under ``/api/``: JSON in and out, for clients without a Redis client.
+Each route is one call of the `Worqr` the app was made with; docs/http.md lists them
+with their requests and responses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .._errors import JobFailedError
+from .._flow import Throttled
+from .._jobs import JobInfo
+from .._models import FailedTask, Process, QueueStatistics, WorkerInfo
+from .._names import check_queue, parse_process_id
+from .._worqr import Worqr
+from ._leases import HttpWorkers
+from ._problems import Problem
+
+MAX_BODY = 16 * 1024 * 1024
+"""Bytes a request body may have."""
+
+MAX_WAIT = 60.0
+"""Seconds a job read may wait for the job to end (``?wait=``)."""
+
+_T = TypeVar("_T")
+_MISSING: Any = object()
+
+Handler = Callable[[Worqr, Request], Awaitable[Any]]
+
+
+async def body_of(request: Request) -> dict[str, Any]:
+    """The request's JSON object."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise Problem("bad_request", f"the body has {len(raw)} bytes; at most {MAX_BODY}")
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Problem("bad_request", f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise Problem("bad_request", f"the body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def field(body: dict[str, Any], name: str, kind: type[_T], default: Any = _MISSING) -> _T:
+    """``body[name]``, of JSON type ``kind`` (int and float both count as float; a
+    bool is no number); ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise Problem("bad_request", f"{name!r} is required")
+        return default  # type: ignore[no-any-return]
+    number = kind is float and isinstance(value, int | float)
+    if (isinstance(value, bool) and kind is not bool) or not (number or isinstance(value, kind)):
+        raise Problem("bad_request", f"{name!r} must be {_json_name(kind)}, not {value!r}")
+    return float(value) if number else value  # type: ignore[return-value]
+
+
+def _json_name(kind: type) -> str:
+    return {str: "a string", float: "a number", int: "an integer", bool: "true or false"}.get(
+        kind, f"a JSON {kind.__name__}"
+    )
+
+
+def queue_of(request: Request) -> str:
+    return check_queue(request.path_params["queue"])
+
+
+async def known_queue(worqr: Worqr, request: Request) -> str:
+    """The queue of the path, 404 if no peer uses it."""
+    queue = queue_of(request)
+    if queue not in await worqr.get_queues():
+        raise Problem("not_found", f"unknown queue {queue!r}")
+    return queue
+
+
+def queue_json(stats: QueueStatistics) -> dict[str, Any]:
+    limit = stats.rate_limit
+    return {
+        "queue": stats.queue,
+        "ready": stats.queued,
+        "in_process": stats.in_process,
+        "failed": stats.failed,
+        "delayed": stats.delayed,
+        "paused": stats.paused,
+        "workers": stats.workers,
+        "levels": stats.levels,
+        "rate_limit": None if limit is None else {"limit": limit.limit, "per": limit.per},
+    }
+
+
+def worker_json(info: WorkerInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "queues": list(info.queues),
+        "in_process": info.in_process,
+        "heartbeat_age": info.heartbeat_age,
+        "alive": info.heartbeat_age is not None,
+    }
+
+
+def failed_json(entry: FailedTask) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "task": entry.task,
+        "error": entry.error,
+        "worker_id": entry.worker_id,
+        "failed_at": entry.failed_at,
+        "job_id": entry.job_id,
+        "attempts": entry.attempts,
+        "traceback": entry.traceback,
+    }
+
+
+def job_json(info: JobInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "queue": info.queue,
+        "status": info.status.value,
+        "attempts": info.attempts,
+        "max_attempts": info.max_attempts,
+        "result": info.result,
+        "error": info.error,
+        "enqueued_at": info.enqueued_at,
+        "due_at": info.due_at,
+        "finished_at": info.finished_at,
+        "after": list(info.after),
+    }
+
+
+# -- reads -------------------------------------------------------------------------------
+
+
+async def list_queues(worqr: Worqr, request: Request) -> Any:
+    return {"queues": [queue_json(stats) for stats in await worqr.queue_statistics()]}
+
+
+async def one_queue(worqr: Worqr, request: Request) -> Any:
+    queue = await known_queue(worqr, request)
+    return queue_json(await worqr.statistics(queue))
+
+
+async def list_workers(worqr: Worqr, request: Request) -> Any:
+    return {"workers": [worker_json(info) for info in await worqr.get_worker_info()]}
+
+
+async def list_tasks(worqr: Worqr, request: Request) -> Any:
+    return {"tasks": await worqr.get_tasks(await known_queue(worqr, request))}
+
+
+async def list_failed(worqr: Worqr, request: Request) -> Any:
+    queue = await known_queue(worqr, request)
+    return {"failed": [failed_json(entry) for entry in await worqr.get_failed(queue)]}
+
+
+async def read_job(worqr: Worqr, request: Request) -> Any:
+    """The job's record; with ``?wait=S``, once it ended or S seconds passed."""
+    job = worqr.job(queue_of(request), request.path_params["job_id"])
+    wait = _wait(request.query_params.get("wait", "0"))
+    info = await job.info()
+    if info is not None and wait > 0 and info.status.value not in ("done", "failed"):
+        # Ended failed (the record says how) or still running: the record tells.
+        with contextlib.suppress(JobFailedError, TimeoutError):
+            await job.result(timeout=wait)
+        info = await job.info()
+    if info is None:
+        raise Problem("not_found", f"no job {job.id!r} in {job.queue!r} (or its outcome expired)")
+    return job_json(info)
+
+
+def _wait(text: str) -> float:
+    try:
+        wait = float(text)
+    except ValueError:
+        raise Problem("bad_request", f"wait must be a number of seconds, got {text!r}") from None
+    if not 0 <= wait <= MAX_WAIT:
+        raise Problem("bad_request", f"wait must be between 0 and {MAX_WAIT:g} s, got {text}")
+    return wait
+
+
+# -- writes ------------------------------------------------------------------------------
+
+
+async def enqueue(worqr: Worqr, request: Request) -> Any:
+    body = await body_of(request)
+    tasks = field(body, "tasks", list)
+    if not tasks or not all(isinstance(task, str) for task in tasks):
+        raise Problem("bad_request", "'tasks' must be a non-empty list of strings")
+    unique = field(body, "unique", bool, False)
+    priority = field(body, "priority", str, "normal")
+    await worqr.enqueue(queue_of(request), tasks, unique=unique, priority=priority)
+    return JSONResponse({"enqueued": len(tasks)}, 201)
+
+
+async def submit(worqr: Worqr, request: Request) -> Any:
+    body = await body_of(request)
+    unknown = set(body) - _SUBMIT_FIELDS
+    if unknown:
+        raise Problem("bad_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+    after = field(body, "after", list, [])
+    if not all(isinstance(job_id, str) for job_id in after):
+        raise Problem("bad_request", "'after' must be a list of job ids")
+    job = await worqr.submit(
+        queue_of(request),
+        field(body, "payload", str),
+        job_id=field(body, "job_id", str, None),
+        max_attempts=field(body, "max_attempts", int, 1),
+        backoff=field(body, "backoff", float, None),
+        timeout=field(body, "timeout", float, None),
+        delay=field(body, "delay", float, None),
+        result_ttl=field(body, "result_ttl", float, 86400.0),
+        unique=field(body, "unique", bool, False),
+        priority=field(body, "priority", str, "normal"),
+        after=after or None,
+    )
+    info = await job.info()
+    return JSONResponse({"id": job.id, "queue": job.queue, "status": _status(info)}, 201)
+
+
+_SUBMIT_FIELDS = {
+    "payload",
+    "job_id",
+    "max_attempts",
+    "backoff",
+    "timeout",
+    "delay",
+    "result_ttl",
+    "unique",
+    "priority",
+    "after",
+}
+
+
+def _status(info: JobInfo | None) -> str:
+    return "unknown" if info is None else info.status.value
+
+
+async def cancel_task(worqr: Worqr, request: Request) -> Any:
+    task = field(await body_of(request), "task", str)
+    return {"removed": await worqr.cancel_tasks(await known_queue(worqr, request), task)}
+
+
+async def cancel_job(worqr: Worqr, request: Request) -> Any:
+    job = worqr.job(queue_of(request), request.path_params["job_id"])
+    return {"cancelled": await job.cancel()}
+
+
+async def retry_failed(worqr: Worqr, request: Request) -> Any:
+    queue, entry = await known_queue(worqr, request), request.path_params["entry"]
+    if not await worqr.retry_failed(queue, only=entry):
+        raise Problem("not_found", f"no failed entry {entry!r} in {queue!r} to retry")
+    return {"retried": entry}
+
+
+async def drop_failed(worqr: Worqr, request: Request) -> Any:
+    queue, entry = await known_queue(worqr, request), request.path_params["entry"]
+    if not await worqr.drop_failed(queue, entry):
+        raise Problem("not_found", f"no failed entry {entry!r} in {queue!r}")
+    return {"dropped": entry}
+
+
+async def pause(worqr: Worqr, request: Request) -> Any:
+    queue = queue_of(request)
+    await worqr.pause_queue(queue)
+    return {"queue": queue, "paused": True}
+
+
+async def resume(worqr: Worqr, request: Request) -> Any:
+    queue = queue_of(request)
+    await worqr.resume_queue(queue)
+    return {"queue": queue, "paused": False}
+
+
+async def delete_queue(worqr: Worqr, request: Request) -> Any:
+    queue = queue_of(request)
+    await worqr.delete_queue(queue)
+    return {"deleted": queue}
+
+
+# -- workers that speak only HTTP ---------------------------------------------------------
+
+MAX_LEASE = 1000
+"""Tasks one lease call may take."""
+
+
+def http_workers(request: Request) -> HttpWorkers:
+    workers: HttpWorkers = request.app.state.http_workers
+    return workers
+
+
+async def register_worker(worqr: Worqr, request: Request) -> Any:
+    body = await body_of(request)
+    queues = field(body, "queues", list)
+    if not queues or not all(isinstance(queue, str) for queue in queues):
+        raise Problem("bad_request", "'queues' must be a non-empty list of queue names")
+    queues = [check_queue(queue) for queue in dict.fromkeys(queues)]
+    timeout = field(body, "timeout", float, 10.0)
+    if not 0.1 <= timeout <= 3600:
+        raise Problem("bad_request", f"'timeout' must be 0.1 to 3600 seconds, got {timeout:g}")
+    twin = await http_workers(request).register(worqr, queues, patience=timeout)
+    reply = {"worker_id": twin.worker_id, "queues": queues, "timeout": timeout}
+    return JSONResponse(reply, 201)
+
+
+async def heartbeat(worqr: Worqr, request: Request) -> Any:
+    http_workers(request).twin(request.path_params["worker_id"])
+    return {"worker_id": request.path_params["worker_id"], "alive": True}
+
+
+async def lease(worqr: Worqr, request: Request) -> Any:
+    """Up to ``count`` tasks of ``queue`` for the HTTP worker (a heartbeat too)."""
+    twin = http_workers(request).twin(request.path_params["worker_id"])
+    body = await body_of(request)
+    queue = check_queue(field(body, "queue", str))
+    count = field(body, "count", int, 1)
+    if not 1 <= count <= MAX_LEASE:
+        raise Problem("bad_request", f"'count' must be 1 to {MAX_LEASE}, got {count}")
+    if queue not in twin._working:
+        raise Problem("bad_request", f"this worker did not register for {queue!r}")
+    try:
+        taken = await twin._take(queue, count)
+    except Throttled:
+        taken = []
+    return {"processes": [process_json(process) for process in taken]}
+
+
+def process_json(process: Process) -> dict[str, Any]:
+    return {
+        "id": process.id,
+        "queue": process.queue,
+        "task": process.task,
+        "job_id": process.job_id,
+        "attempt": process.attempt,
+        "max_attempts": process.max_attempts,
+        "timeout": process.timeout,
+    }
+
+
+async def leave(worqr: Worqr, request: Request) -> Any:
+    returned = await http_workers(request).leave(request.path_params["worker_id"])
+    return {"returned": returned}
+
+
+async def finish(worqr: Worqr, request: Request) -> Any:
+    ref = parse_process_id(request.path_params["process_id"])
+    result = field(await body_of(request), "result", str, None)
+    holder = http_workers(request).holder(ref.id) or worqr
+    return {"finished": await holder.finish_process(ref.id, result)}
+
+
+async def fail(worqr: Worqr, request: Request) -> Any:
+    """The attempt failed: a job with attempts left goes back after its backoff, any
+    other task to the failed list."""
+    ref = parse_process_id(request.path_params["process_id"])
+    error = field(await body_of(request), "error", str)
+    holder = http_workers(request).holder(ref.id) or worqr
+    return {"failed": await holder._fail_process(ref, error)}
+
+
+ROUTES: list[tuple[str, str, Handler]] = [  # the longest first: a queue name may hold "/"
+    ("GET", "/api/queues", list_queues),
+    ("GET", "/api/workers", list_workers),
+    ("POST", "/api/workers", register_worker),
+    ("POST", "/api/workers/{worker_id}/heartbeat", heartbeat),
+    ("POST", "/api/workers/{worker_id}/lease", lease),
+    ("DELETE", "/api/workers/{worker_id}", leave),
+    ("POST", "/api/processes/{process_id:path}/finish", finish),
+    ("POST", "/api/processes/{process_id:path}/fail", fail),
+    ("POST", "/api/queues/{queue:path}/jobs/{job_id}/cancel", cancel_job),
+    ("GET", "/api/queues/{queue:path}/jobs/{job_id}", read_job),
+    ("POST", "/api/queues/{queue:path}/failed/{entry}/retry", retry_failed),
+    ("DELETE", "/api/queues/{queue:path}/failed/{entry}", drop_failed),
+    ("GET", "/api/queues/{queue:path}/failed", list_failed),
+    ("GET", "/api/queues/{queue:path}/tasks", list_tasks),
+    ("POST", "/api/queues/{queue:path}/tasks", enqueue),
+    ("POST", "/api/queues/{queue:path}/cancel", cancel_task),
+    ("POST", "/api/queues/{queue:path}/jobs", submit),
+    ("POST", "/api/queues/{queue:path}/pause", pause),
+    ("POST", "/api/queues/{queue:path}/resume", resume),
+    ("GET", "/api/queues/{queue:path}", one_queue),
+    ("DELETE", "/api/queues/{queue:path}", delete_queue),
+]
+
+
+def routes(worqr: Callable[[], Worqr], authorize: Callable[[Request], None]) -> list[Route]:
+    """Every API route, on the `Worqr` ``worqr()`` gives; a write is authorized first."""
+
+    def endpoint(handler: Handler, *, write: bool) -> Callable[[Request], Awaitable[Any]]:
+        async def run(request: Request) -> Any:
+            if write:
+                authorize(request)
+            reply = await handler(worqr(), request)
+            return reply if isinstance(reply, JSONResponse) else JSONResponse(reply)
+
+        return run
+
+    return [
+        Route(path, endpoint(handler, write=method != "GET"), methods=[method])
+        for method, path, handler in ROUTES
+    ]

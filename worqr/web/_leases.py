@@ -1,0 +1,103 @@
+"""Workers that speak only HTTP. Each one registered through the API gets a twin in
+the app: a `Worqr` with the worker's id, started as a worker (its heartbeat loop keeps
+the worker's Redis lease), that takes tasks for it. The HTTP worker keeps the twin by
+calling its heartbeat route within its ``timeout``; once it misses that, the twin is
+closed as if it had crashed (no hand-back), so that live peers reclaim its processes
+after ``worker_timeout`` exactly as they reclaim any dead worker's, counting the
+death for quarantine. A server that dies takes its twins' heartbeats with it: the
+same reclaim. Finishing or failing a process works through any app of the fleet (by
+the process id alone), so a load balancer may send an HTTP worker's calls anywhere;
+its heartbeats must reach the app that registered it (any other answers 404: it
+registers anew, and its old twin's processes come back)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from .._names import parse_process_id
+from .._worqr import Worqr
+from ._problems import Problem
+
+CHECK_EVERY = 0.5
+"""Seconds between looks for HTTP workers that stopped calling."""
+
+
+@dataclass
+class _Twin:
+    worqr: Worqr
+    timeout: float
+    seen: float
+
+
+class HttpWorkers:
+    """The twins of one app's HTTP workers."""
+
+    def __init__(self) -> None:
+        self._twins: dict[str, _Twin] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def register(self, base: Worqr, queues: list[str], *, patience: float) -> Worqr:
+        """A new worker working on ``queues`` on ``base``'s server and prefix, kept while
+        its heartbeat comes within ``patience`` seconds."""
+        twin = Worqr(
+            base._given,
+            prefix=base.prefix,
+            heartbeat_interval=base._heartbeat_interval,
+            worker_timeout=base._worker_timeout,
+            cleanup_interval=base._cleanup_interval,
+        )
+        try:
+            await twin.start_worker()
+            for queue in queues:
+                await twin.start_work(queue)
+        except BaseException:
+            await twin.close()
+            raise
+        self._twins[twin.worker_id] = _Twin(twin, patience, time.monotonic())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return twin
+
+    def twin(self, worker_id: str) -> Worqr:
+        """The live twin of ``worker_id``, its heartbeat noted."""
+        held = self._twins.get(worker_id)
+        if held is None or time.monotonic() - held.seen > held.timeout:
+            raise Problem("not_found", f"no live HTTP worker {worker_id!r} here: register again")
+        held.seen = time.monotonic()
+        return held.worqr
+
+    def holder(self, process_id: str) -> Worqr | None:
+        """The twin that holds ``process_id``, if it is here and live."""
+        held = self._twins.get(parse_process_id(process_id).worker_id)
+        return None if held is None else held.worqr
+
+    async def leave(self, worker_id: str) -> int:
+        """The HTTP worker leaves: what it holds goes back to the front of its queues."""
+        held = self._twins.pop(worker_id, None)
+        if held is None:
+            raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
+        returned = await held.worqr.fail_worker()
+        await held.worqr.close()
+        return returned
+
+    async def close(self) -> None:
+        """Hand back what every HTTP worker holds (the app stops)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        twins, self._twins = list(self._twins.values()), {}
+        for held in twins:
+            await held.worqr.shutdown(grace=0)
+
+    async def _watch(self) -> None:
+        """Close the twin of every HTTP worker whose heartbeat stopped: peers reclaim."""
+        while self._twins:
+            await anyio.sleep(CHECK_EVERY)
+            now = time.monotonic()
+            for worker_id, held in list(self._twins.items()):
+                if now - held.seen > held.timeout:
+                    del self._twins[worker_id]
+                    await held.worqr.close()
