@@ -194,7 +194,12 @@ async def test_a_queue_whose_name_holds_a_slash(api: tuple[httpx.AsyncClient, Wo
         ("POST", "/api/queues/q/jobs", b'{"payload": "a", "delay": "soon"}', "a number"),
         ("POST", "/api/queues/q/jobs", b'{"payload": "a", "colour": "red"}', "unknown field"),
         ("POST", "/api/queues/q/jobs", b'{"payload": "a", "job_id": "a b"}', "job id"),
-        ("POST", "/api/queues/q/jobs", b'{"payload": "a", "after": [1]}', "list of job ids"),
+        (
+            "POST",
+            "/api/queues/q/jobs",
+            b'{"payload": "a", "after": [1]}',
+            "a list of strings",
+        ),
         ("GET", "/api/queues/q/jobs/j?wait=forever", b"", "wait must be a number"),
         ("GET", "/api/queues/q/jobs/j?wait=3600", b"", "between 0 and 60"),
     ],

@@ -24,6 +24,7 @@ from typing import Any, TextIO, TypeVar
 from . import __version__, _loop
 from ._envelope import unwrap
 from ._errors import JobFailedError, WorqrError
+from ._json import failed_json, job_json, worker_json
 from ._names import check_queue, check_worker_id
 from ._worqr import Worqr
 
@@ -149,15 +150,7 @@ async def cmd_processes(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> 
 
 async def cmd_workers(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     workers = await worqr.get_worker_info()
-    data = [
-        {
-            "id": w.id,
-            "queues": list(w.queues),
-            "in_process": w.in_process,
-            "heartbeat_age": None if w.heartbeat_age is None else round(w.heartbeat_age, 3),
-        }
-        for w in workers
-    ]
+    data = [worker_json(w) for w in workers]
     rows = [[w.id, ",".join(w.queues), w.in_process, _age(w.heartbeat_age)] for w in workers]
     emit(out, args, data, table(rows, ["WORKER", "QUEUES", "IN PROCESS", "HEARTBEAT AGE"]))
     return OK
@@ -181,19 +174,7 @@ async def cmd_failed(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
         emit(out, args, {"dropped": args.drop}, f"dropped failed entry {args.drop} of {queue!r}")
         return OK
     failed = await worqr.get_failed(queue)
-    data = [
-        {
-            "id": f.id,
-            "task": f.task,
-            "error": f.error,
-            "worker_id": f.worker_id,
-            "failed_at": f.failed_at,
-            "job_id": f.job_id,
-            "attempts": f.attempts,
-            "traceback": f.traceback,
-        }
-        for f in failed
-    ]
+    data = [failed_json(f) for f in failed]
     if args.traceback and not args.json:
         for f in failed:
             out.write(f"{f.id}  {f.task!r} failed at {_when(f.failed_at)} UTC\n")
@@ -428,19 +409,7 @@ async def cmd_job(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
             f"unknown job {job.id!r} in queue {job.queue!r}"
             " (never submitted, deleted, or its outcome expired)"
         )
-    data = {
-        "id": info.id,
-        "queue": info.queue,
-        "status": info.status.value,
-        "attempts": info.attempts,
-        "max_attempts": info.max_attempts,
-        "result": info.result,
-        "error": info.error,
-        "enqueued_at": info.enqueued_at,
-        "due_at": info.due_at,
-        "finished_at": info.finished_at,
-        "after": list(info.after),
-    }
+    data = job_json(info)
     rows: list[list[str | None]] = [
         ["queue", info.queue],
         ["status", info.status.value],

@@ -16,7 +16,8 @@ from starlette.routing import Route
 from .._errors import JobFailedError
 from .._flow import Throttled
 from .._jobs import JobInfo
-from .._models import FailedTask, Process, QueueStatistics, WorkerInfo
+from .._json import failed_json, job_json, worker_json
+from .._models import Process, QueueStatistics
 from .._names import check_queue, parse_process_id
 from .._worqr import Worqr
 from ._leases import HttpWorkers
@@ -62,6 +63,16 @@ def field(body: dict[str, Any], name: str, kind: type[_T], default: Any = _MISSI
     return float(value) if number else value  # type: ignore[return-value]
 
 
+def strings(body: dict[str, Any], name: str, default: Any = _MISSING) -> list[str]:
+    """``body[name]``, a list of strings (non-empty unless a default is given)."""
+    value = field(body, name, list, default)
+    required = default is _MISSING
+    if not all(isinstance(item, str) for item in value) or (required and not value):
+        kind = "a non-empty list" if required else "a list"
+        raise Problem("bad_request", f"{name!r} must be {kind} of strings")
+    return value
+
+
 def _json_name(kind: type) -> str:
     return {str: "a string", float: "a number", int: "an integer", bool: "true or false"}.get(
         kind, f"a JSON {kind.__name__}"
@@ -92,45 +103,6 @@ def queue_json(stats: QueueStatistics) -> dict[str, Any]:
         "workers": stats.workers,
         "levels": stats.levels,
         "rate_limit": None if limit is None else {"limit": limit.limit, "per": limit.per},
-    }
-
-
-def worker_json(info: WorkerInfo) -> dict[str, Any]:
-    return {
-        "id": info.id,
-        "queues": list(info.queues),
-        "in_process": info.in_process,
-        "heartbeat_age": info.heartbeat_age,
-        "alive": info.heartbeat_age is not None,
-    }
-
-
-def failed_json(entry: FailedTask) -> dict[str, Any]:
-    return {
-        "id": entry.id,
-        "task": entry.task,
-        "error": entry.error,
-        "worker_id": entry.worker_id,
-        "failed_at": entry.failed_at,
-        "job_id": entry.job_id,
-        "attempts": entry.attempts,
-        "traceback": entry.traceback,
-    }
-
-
-def job_json(info: JobInfo) -> dict[str, Any]:
-    return {
-        "id": info.id,
-        "queue": info.queue,
-        "status": info.status.value,
-        "attempts": info.attempts,
-        "max_attempts": info.max_attempts,
-        "result": info.result,
-        "error": info.error,
-        "enqueued_at": info.enqueued_at,
-        "due_at": info.due_at,
-        "finished_at": info.finished_at,
-        "after": list(info.after),
     }
 
 
@@ -189,9 +161,7 @@ def _wait(text: str) -> float:
 
 async def enqueue(worqr: Worqr, request: Request) -> Any:
     body = await body_of(request)
-    tasks = field(body, "tasks", list)
-    if not tasks or not all(isinstance(task, str) for task in tasks):
-        raise Problem("bad_request", "'tasks' must be a non-empty list of strings")
+    tasks = strings(body, "tasks")
     unique = field(body, "unique", bool, False)
     priority = field(body, "priority", str, "normal")
     await worqr.enqueue(queue_of(request), tasks, unique=unique, priority=priority)
@@ -203,9 +173,7 @@ async def submit(worqr: Worqr, request: Request) -> Any:
     unknown = set(body) - _SUBMIT_FIELDS
     if unknown:
         raise Problem("bad_request", f"unknown field(s): {', '.join(sorted(unknown))}")
-    after = field(body, "after", list, [])
-    if not all(isinstance(job_id, str) for job_id in after):
-        raise Problem("bad_request", "'after' must be a list of job ids")
+    after = strings(body, "after", [])
     job = await worqr.submit(
         queue_of(request),
         field(body, "payload", str),
@@ -296,10 +264,7 @@ def http_workers(request: Request) -> HttpWorkers:
 
 async def register_worker(worqr: Worqr, request: Request) -> Any:
     body = await body_of(request)
-    queues = field(body, "queues", list)
-    if not queues or not all(isinstance(queue, str) for queue in queues):
-        raise Problem("bad_request", "'queues' must be a non-empty list of queue names")
-    queues = [check_queue(queue) for queue in dict.fromkeys(queues)]
+    queues = [check_queue(queue) for queue in dict.fromkeys(strings(body, "queues"))]
     timeout = field(body, "timeout", float, 10.0)
     if not 0.1 <= timeout <= 3600:
         raise Problem("bad_request", f"'timeout' must be 0.1 to 3600 seconds, got {timeout:g}")
