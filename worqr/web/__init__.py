@@ -1,6 +1,7 @@
 """worqr over HTTP (``pip install "worqr[web]"``): `create_app` makes an ASGI app
-with a JSON API under ``/api/`` for clients without a Redis client (docs/http.md)
-and ``/metrics`` for Prometheus (`worqr.metrics`). ``worqr dashboard`` serves it.
+with a live dashboard at ``/`` (docs/dashboard.md), a JSON API under ``/api/`` for
+clients without a Redis client (docs/http.md) and ``/metrics`` for Prometheus
+(`worqr.metrics`). ``worqr dashboard`` serves it.
 
 With a token, every request that changes something (any method but GET) must carry
 ``Authorization: Bearer <token>``; reads are open. Without one, nothing is checked:
@@ -12,22 +13,26 @@ from __future__ import annotations
 import contextlib
 import hmac
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 try:
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 except ImportError as exc:  # pragma: no cover - the extra is part of the dev install
     raise ImportError('worqr.web needs Starlette: pip install "worqr[web]"') from exc
 
 from .._worqr import Worqr
 from ..metrics import CONTENT_TYPE, WorqrCollector, scrape
-from . import _api, _problems
+from . import _api, _live, _problems
 from ._leases import HttpWorkers
 
 __all__ = ["create_app"]
+
+PAGE = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
+"""The dashboard: one page, fed by ``/api/events``."""
 
 
 def create_app(
@@ -46,6 +51,7 @@ def create_app(
     held: list[Worqr] = [worqr_or_url] if isinstance(worqr_or_url, Worqr) else []
     collectors = [WorqrCollector(worqr) for worqr in held]
     http_workers = HttpWorkers()
+    pulse = _live.Pulse()
 
     def worqr() -> Worqr:
         return held[0]
@@ -73,13 +79,24 @@ def create_app(
     async def metrics(request: Request) -> Response:
         return Response(await scrape(collectors[0]), media_type=CONTENT_TYPE)
 
+    async def page(request: Request) -> Response:
+        return HTMLResponse(PAGE)
+
+    async def live(request: Request) -> Response:
+        return _live.events(worqr(), pulse, request)
+
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
         return _problems.answer(code, str(exc.detail))
 
     app = Starlette(
-        routes=[*_api.routes(worqr, authorize), Route("/metrics", metrics, methods=["GET"])],
+        routes=[
+            Route("/", page, methods=["GET"]),
+            Route("/api/events", live, methods=["GET"]),
+            *_api.routes(worqr, authorize),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
         lifespan=lifespan,
         exception_handlers={
             HTTPException: http_error,
