@@ -78,6 +78,8 @@ async def test_tasks_go_in_and_the_queue_reads_back(api: tuple[httpx.AsyncClient
     (listed,) = (await client.get("/api/queues")).json()["queues"]
     assert listed["queue"] == "emails" and listed["ready"] == 3 and listed["paused"] is False
     assert listed["levels"]["high"] == 1
+    totals = (await client.get("/api/stats")).json()
+    assert (totals["queues"], totals["queued"], totals["in_process"]) == (1, 3, 0)
     one = (await client.get("/api/queues/emails")).json()
     assert (one["ready"], one["in_process"], one["failed"]) == (3, 0, 0)
     assert await worqr.get_tasks("emails") == ["vip", "ada", "alan"]

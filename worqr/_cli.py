@@ -24,7 +24,7 @@ from typing import Any, TextIO, TypeVar
 from . import __version__, _loop
 from ._envelope import unwrap
 from ._errors import JobFailedError, WorqrError
-from ._json import failed_json, job_json, worker_json
+from ._json import failed_json, fleet_json, job_json, worker_json
 from ._names import check_queue, check_worker_id
 from ._worqr import Worqr
 
@@ -193,15 +193,7 @@ def _when(unix: float) -> str:
 async def cmd_stats(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     stats = await worqr.queue_statistics()
     workers = await worqr.get_workers()
-    data: dict[str, Any] = {
-        "queues": len(stats),
-        "workers": len(workers),
-        "queued": sum(s.queued for s in stats),
-        "in_process": sum(s.in_process for s in stats),
-        "failed": sum(s.failed for s in stats),
-        "delayed": sum(s.delayed for s in stats),
-        "paused": sum(s.paused for s in stats),
-    }
+    data = fleet_json(stats, len(workers))
     rows = [[name.replace("_", " "), value] for name, value in data.items()]
     text = table(rows, ["FLEET", "COUNT"])
     data["per_queue"] = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._jobs import JobInfo
-from ._models import FailedTask, WorkerInfo
+from ._models import FailedTask, QueueStatistics, WorkerInfo
 
 
 def job_json(info: JobInfo) -> dict[str, Any]:
@@ -50,4 +50,17 @@ def worker_json(info: WorkerInfo) -> dict[str, Any]:
         "in_process": info.in_process,
         "heartbeat_age": None if age is None else round(age, 3),
         "alive": age is not None,
+    }
+
+
+def fleet_json(stats: list[QueueStatistics], workers: int) -> dict[str, Any]:
+    """The fleet's totals: queues, workers, and tasks by where they are."""
+    return {
+        "queues": len(stats),
+        "workers": workers,
+        "queued": sum(s.queued for s in stats),
+        "in_process": sum(s.in_process for s in stats),
+        "failed": sum(s.failed for s in stats),
+        "delayed": sum(s.delayed for s in stats),
+        "paused": sum(s.paused for s in stats),
     }

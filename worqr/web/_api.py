@@ -16,7 +16,7 @@ from starlette.routing import Route
 from .._errors import JobFailedError
 from .._flow import Throttled
 from .._jobs import JobInfo
-from .._json import failed_json, job_json, worker_json
+from .._json import failed_json, fleet_json, job_json, worker_json
 from .._models import Process, QueueStatistics
 from .._names import check_queue, parse_process_id
 from .._worqr import Worqr
@@ -111,6 +111,10 @@ def queue_json(stats: QueueStatistics) -> dict[str, Any]:
 
 async def list_queues(worqr: Worqr, request: Request) -> Any:
     return {"queues": [queue_json(stats) for stats in await worqr.queue_statistics()]}
+
+
+async def fleet(worqr: Worqr, request: Request) -> Any:
+    return fleet_json(await worqr.queue_statistics(), len(await worqr.get_workers()))
 
 
 async def one_queue(worqr: Worqr, request: Request) -> Any:
@@ -330,6 +334,7 @@ async def fail(worqr: Worqr, request: Request) -> Any:
 
 ROUTES: list[tuple[str, str, Handler]] = [  # the longest first: a queue name may hold "/"
     ("GET", "/api/queues", list_queues),
+    ("GET", "/api/stats", fleet),
     ("GET", "/api/workers", list_workers),
     ("POST", "/api/workers", register_worker),
     ("POST", "/api/workers/{worker_id}/heartbeat", heartbeat),
