@@ -123,6 +123,8 @@ async def test_a_live_job_id_is_a_duplicate_and_a_waiting_one_can_be_cancelled(
     assert (ended["status"], ended["error"]) == ("failed", "cancelled")
     assert await worqr.job("q", "j2").status() == "failed"
     assert (await client.post("/api/queues/q/jobs/j2/cancel")).json() == {"cancelled": False}
+    unknown = await client.post("/api/queues/q/jobs/never/cancel")
+    assert error_of(unknown) == (404, "not_found")
 
 
 async def test_failed_entries_are_listed_retried_and_dropped(
@@ -277,6 +279,25 @@ async def test_an_app_on_a_worqr_of_ones_own_mounted_in_a_service(
     assert await peer.get_tasks("q") == ["t"]
 
 
+async def test_an_app_of_a_url_mounted_in_a_service(
+    real_make: Factory, redis_url: str, prefix: str
+) -> None:
+    """A mounted app's lifespan does not run: the app of a URL serves all the same, and
+    the service closes its Worqr (app.state.worqr) in its own lifespan."""
+    inner = create_app(redis_url, prefix=prefix)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await inner.state.worqr.close()
+
+    service = Starlette(routes=[Mount("/q", app=inner)], lifespan=lifespan)
+    await real_make().enqueue("jobs", "t")
+    with serving(service) as base:
+        async with httpx.AsyncClient(base_url=f"{base}/q") as client:
+            assert (await client.get("/api/queues/jobs/tasks")).json() == {"tasks": ["t"]}
+
+
 async def test_routes_it_does_not_have_answer_in_json(api: tuple[httpx.AsyncClient, Worqr]) -> None:
     client, _ = api
     assert error_of(await client.get("/api/nothing")) == (404, "not_found")
@@ -338,6 +359,32 @@ async def test_the_dashboard_command_serves_the_api(redis_url: str, prefix: str)
         _, stderr = child.communicate(timeout=20)
     assert child.returncode == 0, stderr
     assert f"serving on http://127.0.0.1:{port}/" in stderr
+
+
+async def test_the_dashboard_command_starts_while_redis_is_down() -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        nowhere = f"redis://127.0.0.1:{unused.getsockname()[1]}/0"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [str(SCRIPT), "--url", nowhere, "dashboard", "--port", str(port)]
+    child = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+
+            async def answers() -> bool:
+                try:
+                    response = await client.get("/api/queues")
+                except httpx.TransportError:
+                    return False
+                return error_of(response) == (503, "unavailable")
+
+            await eventually(answers, within=60)
+    finally:
+        child.terminate()
+        child.communicate(timeout=20)
+    assert child.returncode == 0
 
 
 def test_the_dashboard_command_will_not_listen_off_loopback_without_a_token() -> None:

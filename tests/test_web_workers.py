@@ -156,3 +156,17 @@ async def test_http_workers_through_a_slow_link_run_every_task_once(
     assert len(await peer.get_failed("q")) == 20
     assert await peer.get_tasks("q") == [] and await peer.get_processes("q") == []
     assert (await peer.check()).ok
+
+
+async def test_an_http_worker_of_its_own_id_gets_its_previous_life_back(
+    client: httpx.AsyncClient, real_make: Factory
+) -> None:
+    peer = real_make()
+    await peer.enqueue("q", ["a", "b"])
+    made = await client.post("/api/workers", json={"queues": ["q"], "worker_id": "mailer-3"})
+    assert made.json()["worker_id"] == "mailer-3"
+    assert [p["task"] for p in await take(client, "mailer-3", "q", 1)] == ["a"]
+    twice = await client.post("/api/workers", json={"queues": ["q"], "worker_id": "mailer-3"})
+    assert error_of(twice) == (409, "duplicate")
+    bad = await client.post("/api/workers", json={"queues": ["q"], "worker_id": "a/b"})
+    assert error_of(bad) == (400, "bad_request")

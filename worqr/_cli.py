@@ -962,8 +962,14 @@ async def _dispatch(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is not None
     }
     worqr = Worqr.from_url(args.url, prefix=args.prefix, **liveness)
+    if args.verb == "dashboard":  # it starts while Redis is down, and answers 503 meanwhile
+        try:
+            code: int = await args.handler(worqr, args, sys.stdout)
+            return code
+        finally:
+            await worqr.close()
     async with worqr:
-        code: int = await args.handler(worqr, args, sys.stdout)
+        code = await args.handler(worqr, args, sys.stdout)
         return code
 
 

@@ -9,7 +9,8 @@ library (``pip install "worqr[metrics]"``).
   worker ``worqr_worker_processes``, ``worqr_worker_alive`` (0 for a worker whose
   heartbeat expired, until a peer reclaims it) and
   ``worqr_worker_heartbeat_age_seconds``;
-- this peer, counted since it started, per queue (label ``worker``: this peer's id):
+- this peer, counted since it started, per queue it ended processes of (labels
+  ``worker``, this peer's id, and ``queue``; a queue shows once it has a count):
   ``worqr_tasks_finished_total``, ``worqr_tasks_failed_total``,
   ``worqr_tasks_reclaimed_total`` and ``worqr_tasks_quarantined_total`` (tasks of
   dead workers this peer handed back or moved to the failed list), the histogram
@@ -139,7 +140,10 @@ def _queue_gauges(queues: list[QueueStatistics]) -> Iterable[Metric]:
         "failed": ("Entries of the queue's failed list.", lambda s: s.failed),
         "delayed": ("Jobs due later.", lambda s: s.delayed),
         "paused": ("1 while the queue is paused.", lambda s: int(s.paused)),
-        "workers": ("Live workers working on the queue.", lambda s: s.workers),
+        "workers": (
+            "Registered workers working on the queue (a dead one until it is reclaimed).",
+            lambda s: s.workers,
+        ),
     }
     for name, (text, value) in gauges.items():
         family = GaugeMetricFamily(f"worqr_queue_{name}", text, labels=["queue"])

@@ -39,34 +39,36 @@ def create_app(
     worqr_or_url: Worqr | str, *, token: str | None = None, prefix: str = "worqr"
 ) -> Starlette:
     """An ASGI app on ``worqr_or_url``: a `Worqr` of yours (left open when the app
-    stops; the app may be mounted in another), or a Redis URL (the app opens a `Worqr`
-    on it, under ``prefix``, in its lifespan: serve it as an app of its own).
-    ``token``: what writes must present as ``Authorization: Bearer``."""
+    stops), or a Redis URL (the app makes a `Worqr` on it, under ``prefix``, and closes
+    it when its lifespan ends). Either may be mounted in another app. ``token``: what
+    writes must present as ``Authorization: Bearer``."""
     if token is not None and (not isinstance(token, str) or not token):
         raise ValueError("token must be a non-empty string, or None")
     if not isinstance(worqr_or_url, Worqr | str):
         raise TypeError(f"create_app needs a Worqr or a Redis URL, not {type(worqr_or_url)}")
-    # A Worqr of the caller's serves at once, mounted in another app too (whose
-    # lifespan does not run this one's); one from a URL lives for the lifespan.
-    held: list[Worqr] = [worqr_or_url] if isinstance(worqr_or_url, Worqr) else []
-    collectors = [WorqrCollector(worqr) for worqr in held]
+    # Made now, without I/O, so that the app serves mounted in another too (whose
+    # lifespan does not run this one's); one of the app's own is closed by its lifespan.
+    owned = isinstance(worqr_or_url, str)
+    made = (
+        Worqr.from_url(worqr_or_url, prefix=prefix)
+        if isinstance(worqr_or_url, str)
+        else worqr_or_url
+    )
+    collector = WorqrCollector(made)
     http_workers = HttpWorkers()
     pulse = _live.Pulse()
 
     def worqr() -> Worqr:
-        return held[0]
+        return made
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if isinstance(worqr_or_url, str):  # no I/O: it starts while Redis is down too
-            opened = Worqr.from_url(worqr_or_url, prefix=prefix)
-            held[:], collectors[:] = [opened], [WorqrCollector(opened)]
         try:
             yield
         finally:
             await http_workers.close()
-            if isinstance(worqr_or_url, str):
-                await held[0].close()
+            if owned:
+                await made.close()
 
     def authorize(request: Request) -> None:
         if token is None:
@@ -77,7 +79,7 @@ def create_app(
             raise _problems.Problem("unauthorized", "this needs the token: Authorization: Bearer")
 
     async def metrics(request: Request) -> Response:
-        return Response(await scrape(collectors[0]), media_type=CONTENT_TYPE)
+        return Response(await scrape(collector), media_type=CONTENT_TYPE)
 
     async def page(request: Request) -> Response:
         return HTMLResponse(PAGE)
@@ -104,4 +106,5 @@ def create_app(
         },
     )
     app.state.http_workers = http_workers
+    app.state.worqr = made  # mounted, a URL's app has no lifespan: close this in yours
     return app

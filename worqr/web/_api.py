@@ -18,7 +18,7 @@ from .._flow import Throttled
 from .._jobs import JobInfo
 from .._json import failed_json, fleet_json, job_json, worker_json
 from .._models import Process, QueueStatistics
-from .._names import check_queue, parse_process_id
+from .._names import check_queue, check_worker_id, parse_process_id
 from .._worqr import Worqr
 from ._leases import HttpWorkers
 from ._problems import Problem
@@ -220,7 +220,11 @@ async def cancel_task(worqr: Worqr, request: Request) -> Any:
 
 async def cancel_job(worqr: Worqr, request: Request) -> Any:
     job = worqr.job(queue_of(request), request.path_params["job_id"])
-    return {"cancelled": await job.cancel()}
+    if await job.cancel():
+        return {"cancelled": True}
+    if await job.info() is None:
+        raise Problem("not_found", f"no job {job.id!r} in {job.queue!r} (or its outcome expired)")
+    return {"cancelled": False}  # it had ended
 
 
 async def retry_failed(worqr: Worqr, request: Request) -> Any:
@@ -272,7 +276,13 @@ async def register_worker(worqr: Worqr, request: Request) -> Any:
     timeout = field(body, "timeout", float, 10.0)
     if not 0.1 <= timeout <= 3600:
         raise Problem("bad_request", f"'timeout' must be 0.1 to 3600 seconds, got {timeout:g}")
-    twin = await http_workers(request).register(worqr, queues, patience=timeout)
+    worker_id = field(body, "worker_id", str, None)
+    twin = await http_workers(request).register(
+        worqr,
+        queues,
+        patience=timeout,
+        worker_id=None if worker_id is None else check_worker_id(worker_id),
+    )
     reply = {"worker_id": twin.worker_id, "queues": queues, "timeout": timeout}
     return JSONResponse(reply, 201)
 

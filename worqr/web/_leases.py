@@ -40,11 +40,17 @@ class HttpWorkers:
         self._twins: dict[str, _Twin] = {}
         self._watcher: asyncio.Task[None] | None = None
 
-    async def register(self, base: Worqr, queues: list[str], *, patience: float) -> Worqr:
-        """A new worker working on ``queues`` on ``base``'s server and prefix, kept while
-        its heartbeat comes within ``patience`` seconds."""
+    async def register(
+        self, base: Worqr, queues: list[str], *, patience: float, worker_id: str | None
+    ) -> Worqr:
+        """A worker working on ``queues`` on ``base``'s server and prefix, kept while its
+        heartbeat comes within ``patience`` seconds. With an id of its own, a previous
+        life of that worker hands its processes back first (as `Worqr.start_worker`)."""
+        if worker_id is not None and worker_id in self._twins:
+            raise Problem("duplicate", f"the HTTP worker {worker_id!r} is registered here")
         twin = Worqr(
             base._given,
+            worker_id=worker_id,
             prefix=base.prefix,
             heartbeat_interval=base._heartbeat_interval,
             worker_timeout=base._worker_timeout,
