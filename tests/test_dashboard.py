@@ -62,7 +62,7 @@ async def browser(chromium: str) -> AsyncIterator[Browser]:
 @pytest.fixture
 async def page(browser: Browser, redis_url: str, prefix: str) -> AsyncIterator[Page]:
     """The dashboard of the test's prefix, open, with the token typed in."""
-    with serving(create_app(redis_url, token=TOKEN, prefix=prefix)) as base:
+    async with serving(create_app(redis_url, token=TOKEN, prefix=prefix)) as base:
         opened = await browser.new_page(viewport={"width": 1400, "height": 1000})
         await opened.goto(f"{base}/")
         await opened.fill("#token", TOKEN)

@@ -9,11 +9,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import uvicorn
@@ -30,24 +30,25 @@ TOKEN = "s3cret"
 SCRIPT = Path(sys.executable).parent / "worqr"
 
 
-@contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
     """``app`` served by uvicorn, in a thread of its own (its own event loop, as a
-    server process has), on a free loopback port for the block; its base URL."""
+    server process has), on a free loopback port for the block; its base URL. This
+    loop stays free meanwhile (a latency proxy in it serves the app's connections)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
+        with anyio.fail_after(20):
+            while not server.started:
+                assert thread.is_alive(), "the server did not start"
+                await anyio.sleep(0.01)
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
-        thread.join(20)
+        await anyio.to_thread.run_sync(thread.join, 20)
         sock.close()
 
 
@@ -57,7 +58,7 @@ async def api(
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Worqr]]:
     """A client of the API (with the token) served on the test's prefix, and a peer
     of the test's own on the same prefix."""
-    with serving(create_app(redis_url, token=TOKEN, prefix=prefix)) as base:
+    async with serving(create_app(redis_url, token=TOKEN, prefix=prefix)) as base:
         headers = {"Authorization": f"Bearer {TOKEN}"}
         async with httpx.AsyncClient(base_url=base, headers=headers) as client:
             yield client, real_make()
@@ -204,6 +205,14 @@ async def test_a_queue_whose_name_holds_a_slash(api: tuple[httpx.AsyncClient, Wo
             b'{"payload": "a", "after": [1]}',
             "a list of strings",
         ),
+        (
+            "POST",
+            "/api/processes/w/0123456789abcdef012345/q/finish",
+            b'{"result": "\\udcff"}',
+            "lone surrogate",
+        ),
+        ("POST", "/api/processes/w/0123456789abcdef012345/q/fail", b'{"error": "\\ud800"}', "lone"),
+        ("POST", "/api/queues/q/tasks", b'{"tasks": ["\\udcff"]}', "lone surrogate"),
         ("GET", "/api/queues/q/jobs/j?wait=forever", b"", "wait must be a number"),
         ("GET", "/api/queues/q/jobs/j?wait=3600", b"", "between 0 and 60"),
     ],
@@ -246,10 +255,12 @@ async def test_writes_need_the_token_and_reads_do_not(
 async def test_without_a_token_writes_are_open(
     real_make: Factory, redis_url: str, prefix: str
 ) -> None:
-    with serving(create_app(redis_url, prefix=prefix)) as base:
-        async with httpx.AsyncClient(base_url=base) as client:
-            made = await client.post("/api/queues/q/tasks", json={"tasks": ["x"]})
-            assert made.status_code == 201
+    async with (
+        serving(create_app(redis_url, prefix=prefix)) as base,
+        httpx.AsyncClient(base_url=base) as client,
+    ):
+        made = await client.post("/api/queues/q/tasks", json={"tasks": ["x"]})
+        assert made.status_code == 201
     assert await real_make().get_tasks("q") == ["x"]
 
 
@@ -270,12 +281,14 @@ async def test_an_app_on_a_worqr_of_ones_own_mounted_in_a_service(
     )
     peer = real_make()
     await peer.enqueue("q", "t")
-    with serving(service) as base:
-        async with httpx.AsyncClient(base_url=f"{base}/worqr") as client:
-            assert (await client.get("/api/queues/q/tasks")).json() == {"tasks": ["t"]}
-            assert 'worqr_queue_ready{queue="q"} 1.0' in (await client.get("/metrics")).text
-            refused = await client.delete("/api/queues/q")
-            assert error_of(refused) == (401, "unauthorized")
+    async with (
+        serving(service) as base,
+        httpx.AsyncClient(base_url=f"{base}/worqr") as client,
+    ):
+        assert (await client.get("/api/queues/q/tasks")).json() == {"tasks": ["t"]}
+        assert 'worqr_queue_ready{queue="q"} 1.0' in (await client.get("/metrics")).text
+        refused = await client.delete("/api/queues/q")
+        assert error_of(refused) == (401, "unauthorized")
     assert await peer.get_tasks("q") == ["t"]
 
 
@@ -293,9 +306,11 @@ async def test_an_app_of_a_url_mounted_in_a_service(
 
     service = Starlette(routes=[Mount("/q", app=inner)], lifespan=lifespan)
     await real_make().enqueue("jobs", "t")
-    with serving(service) as base:
-        async with httpx.AsyncClient(base_url=f"{base}/q") as client:
-            assert (await client.get("/api/queues/jobs/tasks")).json() == {"tasks": ["t"]}
+    async with (
+        serving(service) as base,
+        httpx.AsyncClient(base_url=f"{base}/q") as client,
+    ):
+        assert (await client.get("/api/queues/jobs/tasks")).json() == {"tasks": ["t"]}
 
 
 async def test_routes_it_does_not_have_answer_in_json(api: tuple[httpx.AsyncClient, Worqr]) -> None:
@@ -318,9 +333,11 @@ async def test_an_unreachable_redis_is_503_unavailable() -> None:
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         nowhere = f"redis://127.0.0.1:{unused.getsockname()[1]}/0"
-    with serving(create_app(nowhere)) as base:
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            response = await client.get("/api/queues")
+    async with (
+        serving(create_app(nowhere)) as base,
+        httpx.AsyncClient(base_url=base, timeout=60) as client,
+    ):
+        response = await client.get("/api/queues")
     assert error_of(response) == (503, "unavailable")
 
 
@@ -425,3 +442,46 @@ async def test_any_process_can_be_finished_through_the_api(
     done = await client.post(f"/api/processes/{process.id}/finish", json={"result": "r"})
     assert done.json() == {"finished": True}
     assert await worker.get_processes("q") == [] and await worker.get_tasks("q") == []
+
+
+async def test_a_body_past_the_limit_is_refused_before_it_is_read(
+    api: tuple[httpx.AsyncClient, Worqr], real_client: Redis, prefix: str
+) -> None:
+    client, _ = api
+    before = await raw_keys(real_client, prefix)
+    big = b'{"tasks": ["' + b"x" * (17 * 1024 * 1024) + b'"]}'
+    response = await client.post("/api/queues/q/tasks", content=big)
+    assert error_of(response) == (400, "bad_request")
+    assert "at most" in response.json()["error"]["message"]
+    assert await raw_keys(real_client, prefix) == before
+
+
+async def test_a_token_beyond_ascii(real_make: Factory, redis_url: str, prefix: str) -> None:
+    async with (
+        serving(create_app(redis_url, token="pässwort", prefix=prefix)) as base,
+        httpx.AsyncClient(base_url=base) as client,
+    ):
+        url, body = "/api/queues/q/tasks", {"tasks": ["x"]}
+        wrong = await client.post(url, json=body, headers={"Authorization": b"Bearer \xc3\xa9"})
+        assert error_of(wrong) == (401, "unauthorized")
+        right = {"Authorization": "Bearer pässwort".encode()}
+        assert (await client.post(url, json=body, headers=right)).status_code == 201
+    assert await real_make().get_tasks("q") == ["x"]
+
+
+async def test_open_pages_are_capped(
+    api: tuple[httpx.AsyncClient, Worqr], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worqr.web import _live
+
+    monkeypatch.setattr(_live, "CLIENTS", 2)
+    client, _ = api
+    async with contextlib.AsyncExitStack() as pages:
+        readers = []  # kept: a reader let go closes its page
+        for _ in range(2):
+            opened = await pages.enter_async_context(client.stream("GET", "/api/events"))
+            assert opened.status_code == 200
+            readers.append(opened.aiter_lines())
+            assert await anext(readers[-1]) == "event: snapshot"
+        with anyio.fail_after(10):
+            assert error_of(await client.get("/api/events")) == (503, "busy")

@@ -5,11 +5,14 @@ repeats nothing."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import AsyncIterator
 
+import anyio
 import httpx
 import pytest
+from redis.asyncio import Redis
 
 from worqr.web import create_app
 
@@ -21,13 +24,15 @@ from .test_web_api import error_of, serving
 @pytest.fixture
 async def client(redis_url: str, prefix: str) -> AsyncIterator[httpx.AsyncClient]:
     """A client of an app on the test's prefix, its peers quick to time out."""
-    with serving(create_app(redis_url, prefix=prefix)) as base:
-        async with httpx.AsyncClient(base_url=base) as http:
-            yield http
+    async with (
+        serving(create_app(redis_url, prefix=prefix)) as base,
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        yield http
 
 
-async def register(client: httpx.AsyncClient, *queues: str, timeout: float = 10.0) -> str:
-    made = await client.post("/api/workers", json={"queues": list(queues), "timeout": timeout})
+async def register(client: httpx.AsyncClient, *queues: str, patience: float = 10.0) -> str:
+    made = await client.post("/api/workers", json={"queues": list(queues), "timeout": patience})
     assert made.status_code == 201, made.text
     worker_id: str = made.json()["worker_id"]
     return worker_id
@@ -89,7 +94,7 @@ async def test_an_http_worker_that_stops_calling_is_reclaimed_by_a_live_peer(
     peer = real_make(**FAST)
     await peer.start_worker()
     await peer.enqueue("q", ["a", "b", "c"])
-    worker = await register(client, "q", timeout=0.5)
+    worker = await register(client, "q", patience=0.5)
     assert [p["task"] for p in await take(client, worker, "q", 2)] == ["a", "b"]
 
     async def reclaimed() -> bool:
@@ -138,20 +143,22 @@ async def test_http_workers_through_a_slow_link_run_every_task_once(
     tasks = [f"t{i}" for i in range(200)]
     await peer.enqueue("q", tasks)
     ended: Counter[str] = Counter()
-    with serving(create_app(proxy.url, prefix=prefix)) as base:
-        async with httpx.AsyncClient(base_url=base) as client:
-            workers = [await register(client, "q") for _ in range(2)]
-            while sum(ended.values()) < len(tasks):
-                for worker in workers:
-                    for process in await take(client, worker, "q", 16):
-                        verb = "fail" if process["task"].endswith("7") else "finish"
-                        body = {"error": "seven"} if verb == "fail" else {"result": "ok"}
-                        path = f"/api/processes/{process['id']}/{verb}"
-                        reply = await client.post(path, json=body)
-                        assert reply.json() == {"failed" if verb == "fail" else "finished": True}
-                        ended[process["task"]] += 1
+    async with (
+        serving(create_app(proxy.url, prefix=prefix)) as base,
+        httpx.AsyncClient(base_url=base) as client,
+    ):
+        workers = [await register(client, "q") for _ in range(2)]
+        while sum(ended.values()) < len(tasks):
             for worker in workers:
-                await client.delete(f"/api/workers/{worker}")
+                for process in await take(client, worker, "q", 16):
+                    verb = "fail" if process["task"].endswith("7") else "finish"
+                    body = {"error": "seven"} if verb == "fail" else {"result": "ok"}
+                    path = f"/api/processes/{process['id']}/{verb}"
+                    reply = await client.post(path, json=body)
+                    assert reply.json() == {"failed" if verb == "fail" else "finished": True}
+                    ended[process["task"]] += 1
+        for worker in workers:
+            await client.delete(f"/api/workers/{worker}")
     assert set(ended) == set(tasks) and set(ended.values()) == {1}
     assert len(await peer.get_failed("q")) == 20
     assert await peer.get_tasks("q") == [] and await peer.get_processes("q") == []
@@ -170,3 +177,44 @@ async def test_an_http_worker_of_its_own_id_gets_its_previous_life_back(
     assert error_of(twice) == (409, "duplicate")
     bad = await client.post("/api/workers", json={"queues": ["q"], "worker_id": "a/b"})
     assert error_of(bad) == (400, "bad_request")
+
+
+async def test_an_http_worker_whose_lease_was_lost_is_told_on_its_next_call(
+    client: httpx.AsyncClient, real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    peer = real_make()
+    await peer.enqueue("q", ["a", "b"])
+    worker = await register(client, "q")
+    assert len(await take(client, worker, "q", 2)) == 2
+    await real_client.delete(f"{prefix}:w:{{{worker}}}:alive")  # as after a long stall
+
+    async def told() -> bool:
+        reply = await client.post(f"/api/workers/{worker}/heartbeat")
+        return reply.status_code == 404 and "lost its lease" in reply.text
+
+    await eventually(told, within=20)
+    assert error_of(await client.post(f"/api/workers/{worker}/heartbeat")) == (404, "not_found")
+
+
+async def test_leases_racing_a_leave_leave_nothing_held_by_the_departed(
+    proxy: LatencyProxy, prefix: str, real_make: Factory
+) -> None:
+    """Leases in flight when the worker leaves either land first (the leave hands
+    their tasks back) or answer 404: no task stays with a worker that is gone."""
+    proxy.delay, proxy.jitter = 0.003, 0.004
+    peer = real_make()
+    tasks = [f"t{i}" for i in range(30)]
+    await peer.enqueue("q", tasks)
+    async with (
+        serving(create_app(proxy.url, prefix=prefix)) as base,
+        httpx.AsyncClient(base_url=base) as client,
+    ):
+        for _ in range(10):
+            worker = await register(client, "q")
+            path, body = f"/api/workers/{worker}/lease", {"queue": "q", "count": 5}
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(functools.partial(client.post, path, json=body))
+                tg.start_soon(client.delete, f"/api/workers/{worker}")
+    assert sorted(await peer.get_tasks("q")) == sorted(tasks)
+    assert await peer.get_processes("q") == [] and await peer.get_failed("q") == []

@@ -56,7 +56,7 @@ def create_app(
     )
     collector = WorqrCollector(made)
     http_workers = HttpWorkers()
-    pulse = _live.Pulse()
+    feed = _live.Feed(made, _live.Pulse())
 
     def worqr() -> Worqr:
         return made
@@ -75,7 +75,8 @@ def create_app(
             return
         given = request.headers.get("authorization", "")
         scheme, _, presented = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, token):
+        raw = presented.encode("latin-1")  # the header's bytes, as sent
+        if scheme.lower() != "bearer" or not hmac.compare_digest(raw, token.encode()):
             raise _problems.Problem("unauthorized", "this needs the token: Authorization: Bearer")
 
     async def metrics(request: Request) -> Response:
@@ -85,7 +86,7 @@ def create_app(
         return HTMLResponse(PAGE)
 
     async def live(request: Request) -> Response:
-        return _live.events(worqr(), pulse, request)
+        return _live.events(feed)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)

@@ -14,7 +14,6 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .._errors import JobFailedError
-from .._flow import Throttled
 from .._jobs import JobInfo
 from .._json import failed_json, fleet_json, job_json, worker_json
 from .._models import Process, QueueStatistics
@@ -36,10 +35,18 @@ Handler = Callable[[Worqr, Request], Awaitable[Any]]
 
 
 async def body_of(request: Request) -> dict[str, Any]:
-    """The request's JSON object."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise Problem("bad_request", f"the body has {len(raw)} bytes; at most {MAX_BODY}")
+    """The request's JSON object, refused once it passes `MAX_BODY` bytes (before it is
+    all read)."""
+    declared = request.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise Problem("bad_request", f"the body has {declared} bytes; at most {MAX_BODY}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise Problem("bad_request", f"the body has more than {MAX_BODY} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -60,7 +67,18 @@ def field(body: dict[str, Any], name: str, kind: type[_T], default: Any = _MISSI
     number = kind is float and isinstance(value, int | float)
     if (isinstance(value, bool) and kind is not bool) or not (number or isinstance(value, kind)):
         raise Problem("bad_request", f"{name!r} must be {_json_name(kind)}, not {value!r}")
+    if isinstance(value, str):
+        _text(name, value)
     return float(value) if number else value  # type: ignore[return-value]
+
+
+def _text(name: str, value: str) -> None:
+    """Refuse a string JSON may carry but UTF-8 cannot (a lone surrogate, \\udcff):
+    stored, it would be bytes that no reader can return."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Problem("bad_request", f"{name!r} holds a lone surrogate, not text") from None
 
 
 def strings(body: dict[str, Any], name: str, default: Any = _MISSING) -> list[str]:
@@ -70,6 +88,8 @@ def strings(body: dict[str, Any], name: str, default: Any = _MISSING) -> list[st
     if not all(isinstance(item, str) for item in value) or (required and not value):
         kind = "a non-empty list" if required else "a list"
         raise Problem("bad_request", f"{name!r} must be {kind} of strings")
+    for item in value:
+        _text(name, item)
     return value
 
 
@@ -288,24 +308,18 @@ async def register_worker(worqr: Worqr, request: Request) -> Any:
 
 
 async def heartbeat(worqr: Worqr, request: Request) -> Any:
-    http_workers(request).twin(request.path_params["worker_id"])
+    await http_workers(request).heartbeat(request.path_params["worker_id"])
     return {"worker_id": request.path_params["worker_id"], "alive": True}
 
 
 async def lease(worqr: Worqr, request: Request) -> Any:
     """Up to ``count`` tasks of ``queue`` for the HTTP worker (a heartbeat too)."""
-    twin = http_workers(request).twin(request.path_params["worker_id"])
     body = await body_of(request)
     queue = check_queue(field(body, "queue", str))
     count = field(body, "count", int, 1)
     if not 1 <= count <= MAX_LEASE:
         raise Problem("bad_request", f"'count' must be 1 to {MAX_LEASE}, got {count}")
-    if queue not in twin._working:
-        raise Problem("bad_request", f"this worker did not register for {queue!r}")
-    try:
-        taken = await twin._take(queue, count)
-    except Throttled:
-        taken = []
+    taken = await http_workers(request).lease(request.path_params["worker_id"], queue, count)
     return {"processes": [process_json(process) for process in taken]}
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import anyio
 
+from .._flow import Throttled
+from .._models import Process
 from .._names import parse_process_id
 from .._worqr import Worqr
 from ._problems import Problem
@@ -31,6 +33,12 @@ class _Twin:
     worqr: Worqr
     timeout: float
     seen: float
+    epoch: int
+    """The twin's lease epoch at registration: another one means its lease was lost
+    (its processes may be back in their queues), and the HTTP worker must know."""
+    lock: anyio.Lock
+    """Held by a lease and by the leave: a lease in flight cannot land after the
+    worker left (its tasks would be held by a worker that is gone)."""
 
 
 class HttpWorkers:
@@ -63,18 +71,41 @@ class HttpWorkers:
         except BaseException:
             await twin.close()
             raise
-        self._twins[twin.worker_id] = _Twin(twin, patience, time.monotonic())
+        held = _Twin(twin, patience, time.monotonic(), twin._epoch, anyio.Lock())
+        self._twins[twin.worker_id] = held
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return twin
 
-    def twin(self, worker_id: str) -> Worqr:
-        """The live twin of ``worker_id``, its heartbeat noted."""
+    async def heartbeat(self, worker_id: str) -> None:
+        """Note a call of ``worker_id``: 404 if it is not here, timed out, or lost its
+        lease (then its twin goes: it must register again)."""
         held = self._twins.get(worker_id)
         if held is None or time.monotonic() - held.seen > held.timeout:
             raise Problem("not_found", f"no live HTTP worker {worker_id!r} here: register again")
+        if held.worqr._epoch != held.epoch or held.worqr._lost:
+            del self._twins[worker_id]
+            await held.worqr.close()
+            raise Problem(
+                "not_found",
+                f"HTTP worker {worker_id!r} lost its lease (its processes go back to their"
+                " queues): register again",
+            )
         held.seen = time.monotonic()
-        return held.worqr
+
+    async def lease(self, worker_id: str, queue: str, count: int) -> list[Process]:
+        """Up to ``count`` tasks of ``queue`` for ``worker_id`` (a heartbeat too)."""
+        await self.heartbeat(worker_id)
+        held = self._twins[worker_id]
+        async with held.lock:
+            if self._twins.get(worker_id) is not held:  # it left meanwhile
+                raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
+            if queue not in held.worqr._working:
+                raise Problem("bad_request", f"this worker did not register for {queue!r}")
+            try:
+                return await held.worqr._take(queue, count)
+            except Throttled:
+                return []
 
     def holder(self, process_id: str) -> Worqr | None:
         """The twin that holds ``process_id``, if it is here and live."""
@@ -86,7 +117,8 @@ class HttpWorkers:
         held = self._twins.pop(worker_id, None)
         if held is None:
             raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
-        returned = await held.worqr.fail_worker()
+        async with held.lock:
+            returned = await held.worqr.fail_worker()
         await held.worqr.close()
         return returned
 
@@ -106,4 +138,5 @@ class HttpWorkers:
             for worker_id, held in list(self._twins.items()):
                 if now - held.seen > held.timeout:
                     del self._twins[worker_id]
-                    await held.worqr.close()
+                    async with held.lock:
+                        await held.worqr.close()

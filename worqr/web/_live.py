@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from .._errors import BackendError
@@ -22,6 +21,7 @@ from .._json import worker_json
 from .._names import split_process_id
 from .._worqr import Worqr
 from ._api import process_json, queue_json
+from ._problems import Problem
 
 HISTORY = 300
 """Seconds of throughput and latency a snapshot carries."""
@@ -31,6 +31,12 @@ REFRESH = 1.0
 
 QUIET = 0.2
 """Seconds a snapshot waits after an event, so that a burst makes one snapshot."""
+
+SHOWN = 500
+"""Processes a snapshot lists (the oldest); it gives the total too."""
+
+CLIENTS = 64
+"""Pages an app feeds at once."""
 
 
 class Pulse:
@@ -81,12 +87,13 @@ def _latency(message: str, now: float) -> float:
 
 
 async def snapshot(worqr: Worqr, pulse: Pulse) -> dict[str, Any]:
-    """The fleet now, as the page draws it."""
+    """The fleet now, as the page draws it (the `SHOWN` oldest processes of all)."""
     queues = await worqr.queue_statistics()
     await pulse.listen(worqr, [stats.queue for stats in queues])
     now = time.time()
+    every = await worqr.get_processes()
     processes = []
-    for process in await worqr.get_processes():
+    for process in every[:SHOWN]:
         shown = process_json(process)
         shown["age"] = max(0.0, now - int(split_process_id(process.id).token[:16], 16) / 1e9)
         processes.append(shown)
@@ -96,6 +103,7 @@ async def snapshot(worqr: Worqr, pulse: Pulse) -> dict[str, Any]:
         "queues": [queue_json(stats) for stats in queues],
         "workers": [worker_json(info) for info in await worqr.get_worker_info()],
         "processes": processes,
+        "processes_total": len(every),
         "schedules": [
             {
                 "name": info.name,
@@ -111,20 +119,59 @@ async def snapshot(worqr: Worqr, pulse: Pulse) -> dict[str, Any]:
     }
 
 
-async def feed(worqr: Worqr, pulse: Pulse) -> AsyncIterator[str]:
-    """Snapshots as server-sent events, until the client goes."""
-    while True:
-        changed = pulse.changed
+class Feed:
+    """One snapshot at a time for every open page: a single task reads the fleet
+    while pages are open and hands each page the latest, so that pages cost Redis
+    nothing more (and the HTTP workers' twins, which share the connections, keep
+    their leases however many pages are open). At most `CLIENTS` pages at once."""
+
+    def __init__(self, worqr: Worqr, pulse: Pulse) -> None:
+        self._worqr = worqr
+        self._pulse = pulse
+        self._latest = ""
+        self._version = 0
+        self._fresh = asyncio.Event()
+        self._clients = 0
+        self._reader: asyncio.Task[None] | None = None
+
+    def open(self) -> AsyncIterator[str]:
+        """The events of one more page; `Problem` ``busy`` past `CLIENTS`."""
+        if self._clients >= CLIENTS:
+            raise Problem("busy", f"{CLIENTS} pages are open already: try again later")
+        self._clients += 1
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        return self._follow()
+
+    async def _follow(self) -> AsyncIterator[str]:
+        seen = 0
         try:
-            data = json.dumps(await snapshot(worqr, pulse))
-            yield f"event: snapshot\ndata: {data}\n\n"
-        except BackendError as exc:  # Redis away: say so, and try again
-            yield f"event: trouble\ndata: {json.dumps(str(exc))}\n\n"
-        with anyio.move_on_after(REFRESH):
-            await changed.wait()
-            await anyio.sleep(QUIET)
+            while True:
+                while self._version == seen:
+                    await self._fresh.wait()
+                seen = self._version
+                yield self._latest
+        finally:
+            self._clients -= 1
+
+    async def _read(self) -> None:
+        """Snapshots while a page is open: at once, on each event (after `QUIET`),
+        and at least every `REFRESH` seconds."""
+        while self._clients > 0:
+            changed = self._pulse.changed
+            try:
+                data = json.dumps(await snapshot(self._worqr, self._pulse))
+                self._latest = f"event: snapshot\ndata: {data}\n\n"
+            except BackendError as exc:  # Redis away: say so, and try again
+                self._latest = f"event: trouble\ndata: {json.dumps(str(exc))}\n\n"
+            self._version += 1
+            fresh, self._fresh = self._fresh, asyncio.Event()
+            fresh.set()
+            with anyio.move_on_after(REFRESH):
+                await changed.wait()
+                await anyio.sleep(QUIET)
 
 
-def events(worqr: Worqr, pulse: Pulse, request: Request) -> StreamingResponse:
+def events(feed: Feed) -> StreamingResponse:
     headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(feed(worqr, pulse), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(feed.open(), media_type="text/event-stream", headers=headers)

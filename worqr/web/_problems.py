@@ -23,6 +23,7 @@ CODES = {
     "dependency": 422,
     "backend": 502,
     "unavailable": 503,
+    "busy": 503,
 }
 """Every code the API answers with, and its HTTP status."""
 
