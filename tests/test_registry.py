@@ -163,7 +163,7 @@ async def test_a_worker_that_missed_a_delete_learns_of_it_on_reconnect(
         await anyio.sleep(0.3)
         assert await _working(worker, ["idle", "jobs"])  # the event never came
         await worker._after_reconnect()
-        await eventually(lambda: _working(worker, ["idle"]))
+        await eventually(lambda: _working(worker, ["idle"]), within=20)
         tg.cancel_scope.cancel()
 
 
