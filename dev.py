@@ -63,7 +63,7 @@ def test(args: list[str]) -> int:
     """Run pytest under coverage (child processes included); no test collected counts as
     a failure."""
     run(PYTHON, "-m", "coverage", "erase")
-    code = run(PYTHON, "-m", "coverage", "run", "-m", "pytest", *args)
+    code = run(PYTHON, "-m", "coverage", "run", "-m", "pytest", "--durations=25", *args)
     if code == PYTEST_NO_TESTS:
         print("dev.py: pytest collected no tests", file=sys.stderr)
     if code != 0:

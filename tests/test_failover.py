@@ -192,6 +192,7 @@ async def test_cluster_primary_failover_loses_at_most_the_replication_lag(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 12-30 s each, up to a minute under coverage: Sentinel's own pace
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 async def test_sentinel_failover_loses_at_most_the_replication_lag(wait_replicas: int) -> None:
     queues = ["a", "b", "c"]
@@ -304,6 +305,7 @@ async def _sentinel_failover(deployment: EmbeddedSentinel, sentinel: int) -> Emb
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two failovers, each some 10 s before the old master follows
 async def test_sentinel_failover_of_a_live_master_mid_drain_loses_nothing() -> None:
     """``SENTINEL FAILOVER`` twice while two peers drain a queue with batched dequeues
     (up to 16 tasks a transaction) and group-committed finishes. The old master keeps
