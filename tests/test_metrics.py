@@ -26,9 +26,9 @@ def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 async def test_the_fleet_and_this_peers_work_as_prometheus_reads_them(
-    real_make: Factory, real_client: Redis, prefix: str
+    real_make: Factory,
 ) -> None:
-    worker, producer, dead = real_make(), real_make(), real_make()
+    worker, producer = real_make(), real_make()
 
     async def handler(process: Process) -> str:
         if process.task.startswith("bad"):
@@ -46,41 +46,53 @@ async def test_the_fleet_and_this_peers_work_as_prometheus_reads_them(
         await producer.submit("jobs", "later", delay=3600)
         await producer.enqueue("paused", ["x", "y"])
         await producer.pause_queue("paused")
-        await dead.start_worker()
-        await dead.start_work("held")
-        await dead.enqueue("held", ["h1", "h2"])
-        assert await dead.dequeue("held") and await dead.dequeue("held")
-        await dead.close()  # a crash: nothing handed back
-        await real_client.delete(f"{prefix}:w:{{{dead.worker_id}}}:alive")
-        collector = WorqrCollector(worker)
-        before = samples(await scrape(collector))
-        assert await worker.cleanup_workers() == [dead.worker_id]
-        after = samples(await scrape(collector))
+        found = samples(await scrape(WorqrCollector(worker)))
 
     me = ("worker", worker.worker_id)
-    assert before[("worqr_queue_ready", (("queue", "paused"),))] == 2
-    assert before[("worqr_queue_paused", (("queue", "paused"),))] == 1
-    assert before[("worqr_queue_failed", (("queue", "jobs"),))] == 2
-    assert before[("worqr_queue_delayed", (("queue", "jobs"),))] == 1
-    assert before[("worqr_queue_in_process", (("queue", "held"),))] == 2
-    assert before[("worqr_worker_alive", (("worker", dead.worker_id),))] == 0
-    assert before[("worqr_worker_processes", (("worker", dead.worker_id),))] == 2
-    assert before[("worqr_worker_alive", (me,))] == 1
-    assert 0 <= before[("worqr_worker_heartbeat_age_seconds", (me,))] < 60
-    assert (("worqr_worker_heartbeat_age_seconds", (("worker", dead.worker_id),))) not in before
+    assert found[("worqr_queue_ready", (("queue", "paused"),))] == 2
+    assert found[("worqr_queue_paused", (("queue", "paused"),))] == 1
+    assert found[("worqr_queue_failed", (("queue", "jobs"),))] == 2
+    assert found[("worqr_queue_delayed", (("queue", "jobs"),))] == 1
+    assert found[("worqr_worker_alive", (me,))] == 1
+    assert 0 <= found[("worqr_worker_heartbeat_age_seconds", (me,))] < 60
     jobs = (("queue", "jobs"), me)
-    assert before[("worqr_tasks_finished_total", jobs)] == 3
-    assert before[("worqr_tasks_failed_total", jobs)] == 2
-    assert before[("worqr_task_duration_seconds_count", jobs)] == 5
-    assert before[("worqr_task_duration_seconds_bucket", (("le", "+Inf"), *jobs))] == 5
-    assert 0 < before[("worqr_task_duration_seconds_sum", jobs)] < 60
-    assert before[("worqr_workers_reclaimed_total", (me,))] == 0
+    assert found[("worqr_tasks_finished_total", jobs)] == 3
+    assert found[("worqr_tasks_failed_total", jobs)] == 2
+    assert found[("worqr_task_duration_seconds_count", jobs)] == 5
+    assert found[("worqr_task_duration_seconds_bucket", (("le", "+Inf"), *jobs))] == 5
+    assert 0 < found[("worqr_task_duration_seconds_sum", jobs)] < 60
+    assert found[("worqr_workers_reclaimed_total", (me,))] == 0
+
+
+async def test_a_dead_worker_shows_until_a_peer_reclaims_it_and_counts_there(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    """No peer here supervises (none is a started worker): only the explicit cleanup
+    reclaims, so that the counts are the reaper's."""
+    reaper, dead = real_make(), real_make()
+    await dead.start_worker()
+    await dead.start_work("held")
+    await dead.enqueue("held", ["h1", "h2"])
+    assert await dead.dequeue("held") and await dead.dequeue("held")
+    await dead.close()  # a crash: nothing handed back
+    await real_client.delete(f"{prefix}:w:{{{dead.worker_id}}}:alive")
+    collector = WorqrCollector(reaper)
+    before = samples(await scrape(collector))
+    assert await reaper.cleanup_workers() == [dead.worker_id]
+    assert await reaper.cleanup_workers() == []  # nothing left: nothing more counted
+    after = samples(await scrape(collector))
+    gone = ("worker", dead.worker_id)
+    assert before[("worqr_queue_in_process", (("queue", "held"),))] == 2
+    assert before[("worqr_worker_alive", (gone,))] == 0
+    assert before[("worqr_worker_processes", (gone,))] == 2
+    assert ("worqr_worker_heartbeat_age_seconds", (gone,)) not in before
+    me = ("worker", reaper.worker_id)
     held = (("queue", "held"), me)
     assert after[("worqr_tasks_reclaimed_total", held)] == 2
     assert after[("worqr_tasks_quarantined_total", held)] == 0
     assert after[("worqr_workers_reclaimed_total", (me,))] == 1
     assert after[("worqr_queue_ready", (("queue", "held"),))] == 2
-    assert (("worqr_worker_alive", (("worker", dead.worker_id),))) not in after
+    assert ("worqr_worker_alive", (gone,)) not in after
 
 
 async def test_the_histogram_buckets_are_cumulative_and_ordered(real_make: Factory) -> None:

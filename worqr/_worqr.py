@@ -1196,7 +1196,8 @@ class Worqr:
         if outcome is None:
             return False
         self._report_corrupt(outcome.corrupt)
-        self._workers_reclaimed += 1
+        if any(done.returned or done.quarantined for done in outcome.reclaimed.values()):
+            self._workers_reclaimed += 1  # this peer took its processes (a race has one)
         for queue, reclaimed in outcome.reclaimed.items():
             if reclaimed.returned or reclaimed.quarantined:
                 self._stats.note_reclaim(
