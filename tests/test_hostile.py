@@ -196,6 +196,11 @@ async def test_malformed_process_ids_and_counters_are_skipped(
     assert {w.id: w.heartbeat_age for w in await peer.get_worker_info()}["w8"] is None
     await peer.start_worker()
     await eventually(lambda: _tasks_are(peer, "jobs", ["held-junk", "t"]))
+
+    async def reclaimed() -> bool:  # to its last step: the registry entry goes last
+        return DEAD not in await peer.get_workers()
+
+    await eventually(reclaimed)
     await client.rpush(f"{prefix}:q:{{jobs}}:p:stranded", "orphan")  # recorded nowhere
     assert [p.kind for p in (await peer.check()).problems] == ["orphan-process"]
     await peer.check(repair=True)
