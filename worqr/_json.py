@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._jobs import JobInfo
-from ._models import FailedTask, QueueStatistics, WorkerInfo
+from ._models import FailedTask, Process, QueueStatistics, WorkerInfo
 
 
 def job_json(info: JobInfo) -> dict[str, Any]:
@@ -63,4 +63,17 @@ def fleet_json(stats: list[QueueStatistics], workers: int) -> dict[str, Any]:
         "failed": sum(s.failed for s in stats),
         "delayed": sum(s.delayed for s in stats),
         "paused": sum(s.paused for s in stats),
+    }
+
+
+def process_json(process: Process) -> dict[str, Any]:
+    """A process, as an HTTP worker leases it and the dashboard lists it."""
+    return {
+        "id": process.id,
+        "queue": process.queue,
+        "task": process.task,
+        "job_id": process.job_id,
+        "attempt": process.attempt,
+        "max_attempts": process.max_attempts,
+        "timeout": process.timeout,
     }

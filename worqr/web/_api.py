@@ -15,8 +15,8 @@ from starlette.routing import Route
 
 from .._errors import JobFailedError
 from .._jobs import JobInfo
-from .._json import failed_json, fleet_json, job_json, worker_json
-from .._models import Process, QueueStatistics
+from .._json import failed_json, fleet_json, job_json, process_json, worker_json
+from .._models import QueueStatistics
 from .._names import check_queue, check_worker_id, parse_process_id
 from .._worqr import Worqr
 from ._leases import HttpWorkers
@@ -321,18 +321,6 @@ async def lease(worqr: Worqr, request: Request) -> Any:
         raise Problem("bad_request", f"'count' must be 1 to {MAX_LEASE}, got {count}")
     taken = await http_workers(request).lease(request.path_params["worker_id"], queue, count)
     return {"processes": [process_json(process) for process in taken]}
-
-
-def process_json(process: Process) -> dict[str, Any]:
-    return {
-        "id": process.id,
-        "queue": process.queue,
-        "task": process.task,
-        "job_id": process.job_id,
-        "attempt": process.attempt,
-        "max_attempts": process.max_attempts,
-        "timeout": process.timeout,
-    }
 
 
 async def leave(worqr: Worqr, request: Request) -> Any:

@@ -17,10 +17,10 @@ import anyio
 from starlette.responses import StreamingResponse
 
 from .._errors import BackendError
-from .._json import worker_json
+from .._json import process_json, worker_json
 from .._names import split_process_id
 from .._worqr import Worqr
-from ._api import process_json, queue_json
+from ._api import queue_json
 from ._problems import Problem
 
 HISTORY = 300
