@@ -36,7 +36,8 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)
   bench-jobs  python -m benchmarks.jobs ARGS (delayed jobs, results and retries against peers)
   bench-schedules  python -m benchmarks.schedules ARGS (a cron chaos run, worqr and peers)
-  bench-flow  python -m benchmarks.flow ARGS (priority fairness, rate-limit accuracy)"""
+  bench-flow  python -m benchmarks.flow ARGS (priority fairness, rate-limit accuracy)
+  bench-http  python -m benchmarks.http_api ARGS (the HTTP API under load, against SAQ's web)"""
 
 
 def run(*cmd: str | Path) -> int:
@@ -134,6 +135,11 @@ def bench_flow(args: list[str]) -> int:
     return run(PYTHON, "-m", "benchmarks.flow", *args)
 
 
+def bench_http(args: list[str]) -> int:
+    """Run the HTTP benchmark: reads, enqueue and lease over HTTP, against SAQ's web server."""
+    return run(PYTHON, "-m", "benchmarks.http_api", *args)
+
+
 def thorough(args: list[str]) -> int:
     """Run the property tests with five times as many examples as the suite runs."""
     argv = [str(PYTHON), "-m", "pytest", "tests/test_properties.py", *args]
@@ -165,6 +171,7 @@ VERBS = {
     "bench-jobs": bench_jobs,
     "bench-schedules": bench_schedules,
     "bench-flow": bench_flow,
+    "bench-http": bench_http,
 }
 
 

@@ -45,9 +45,9 @@ PEERS_DIR = ROOT / "benchmarks" / "peers"
 VENVS = ROOT / ".bench" / "venvs"
 COMMON = ["hiredis==3.5.0", "uvloop==0.23.0"]
 REQUIREMENTS: dict[str, list[str]] = {
-    "worqr": [f"{ROOT}[hiredis,uvloop,bench]"],
+    "worqr": [f"{ROOT}[hiredis,uvloop,bench,web]"],
     "arq": ["arq==0.28.0", *COMMON],
-    "saq": ["saq[redis]==0.26.4", "typing_extensions", *COMMON],  # it imports it undeclared
+    "saq": ["saq[redis,web]==0.26.4", "typing_extensions", *COMMON],  # it imports it undeclared
     "taskiq": ["taskiq==0.13.0", "taskiq-redis==1.2.4", *COMMON],
     # redis-py 8's 5 s socket timeout equals BullMQ's idle block: keep the 7.x client.
     "bullmq": ["bullmq==3.4.4", "redis==7.4.1", *COMMON],
@@ -136,7 +136,8 @@ def _source_digest(library: str) -> bytes:
     """worqr is installed from this checkout: reinstall when its code changes."""
     if library != "worqr":
         return b""
-    files = [*sorted((ROOT / "worqr").glob("*.py")), ROOT / "pyproject.toml"]
+    package = sorted(p for p in (ROOT / "worqr").rglob("*") if p.suffix in (".py", ".html"))
+    files = [*package, ROOT / "pyproject.toml"]
     return hashlib.sha256(b"".join(path.read_bytes() for path in files)).digest()
 
 
@@ -581,9 +582,10 @@ PARTS = [
     (JOBS_BEGIN, JOBS_END),
     ("<!-- schedules:start -->", "<!-- schedules:end -->"),
     ("<!-- flow:start -->", "<!-- flow:end -->"),
+    ("<!-- http:start -->", "<!-- http:end -->"),
 ]
 """The marks of the parts of benchmarks.md that other benchmarks write (jobs.py,
-schedules.py, flow.py): this one keeps them when it rewrites the page."""
+schedules.py, flow.py, http_api.py): this one keeps them when it rewrites the page."""
 
 
 def part_of(page: str, begin: str, end: str) -> str | None:

@@ -59,6 +59,13 @@ The schedule benchmark (benchmarks/schedules.py) adds one mode:
     ``$BENCH_CLOCK_OFFSET_MS`` set, the process's wall clock is offset first
     (`skew_clock`).
 
+The HTTP benchmark (benchmarks/http.py) adds one mode, SAQ only:
+
+``web --port P --concurrency C``
+    The library's own web server on port P, started the way its users start it, with
+    the worker it comes with; one job under the key ``bench-read`` is enqueued at its
+    start, for the job-status route. Prints ``ready`` once the worker started.
+
 Every adapter uses the queue name given by ``--queue`` and connects to ``--url``.
 """
 
@@ -90,6 +97,7 @@ MODES = [
     "roundtrip",
     "retry",
     "cron",
+    "web",
 ]
 CLOCK_OFFSET_ENV = "BENCH_CLOCK_OFFSET_MS"
 """Milliseconds a ``cron`` process adds to its wall clock (`skew_clock`)."""
@@ -130,6 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reply", action="store_true")
     parser.add_argument("--role", choices=["setup", "worker", "scheduler"], default="worker")
     parser.add_argument("--every", type=float, default=1.0)
+    parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args(argv)
     global _buffered
     _buffered = args.buffered

@@ -41,6 +41,11 @@ key's job is still incomplete, then moves due jobs to the queue under a 1 s lock
 The tick is read back from the job's ``scheduled`` field. ``--role setup`` does
 nothing: the schedule lives in each worker's settings.
 
+Web. ``web`` runs SAQ's CLI with ``--web --port`` (``saq saq_peer.web_settings --web``,
+as ``cron`` runs it): SAQ's aiohttp app (its routes: the queues' info, a job's status,
+retry and abort) served by the same process as a worker of ``--queue`` at
+``--concurrency``. Its ``startup`` hook enqueues one job under the key ``bench-read``.
+
 SAQ 0.26 has no bulk enqueue (``Queue.batch()`` only aborts a group's jobs on error,
 ``Queue.map()`` enqueues concurrently and waits for results), so ``enqueue --batch``
 reports unsupported. Job keys default to uuid1, so every task is a new job.
@@ -239,6 +244,34 @@ def cron() -> None:
     if ARGS.role != "worker":
         return
     skew_clock()
+    cli("saq_peer.cron_settings")
+
+
+async def noop(ctx: Context, **kwargs: Any) -> None:
+    """The web mode's handler."""
+
+
+async def web_ready(ctx: Context) -> None:
+    await ctx["worker"].queue.enqueue(TASK, key="bench-read")
+    say("ready")
+
+
+def web_settings() -> dict[str, Any]:
+    """The settings SAQ's CLI runs in ``web`` mode."""
+    return {
+        "queue": RedisQueue.from_url(ARGS.url, name=ARGS.queue),
+        "functions": [(TASK, noop)],
+        "concurrency": ARGS.concurrency,
+        "startup": web_ready,
+    }
+
+
+def web() -> None:
+    cli("saq_peer.web_settings", "--web", "--port", str(ARGS.port))
+
+
+def cli(settings: str, *args: str) -> None:
+    """Run SAQ's CLI in this process on ``settings`` (under uvloop with ``--uvloop``)."""
     if ARGS.uvloop:
         import uvloop
 
@@ -247,7 +280,7 @@ def cron() -> None:
 
     # The CLI imports the settings by name: make that name this very module.
     sys.modules["saq_peer"] = sys.modules["__main__"]
-    sys.argv = ["saq", "saq_peer.cron_settings"]
+    sys.argv = ["saq", settings, *args]
     main()
 
 
@@ -262,5 +295,7 @@ MODES = {
 }
 if ARGS.mode == "cron":
     cron()
+elif ARGS.mode == "web":
+    web()
 else:
     run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
