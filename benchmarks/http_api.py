@@ -31,11 +31,13 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,17 +106,34 @@ def free_port() -> int:
         return port
 
 
-def answers(port: int, path: str, timeout: float = 30.0) -> Any:
-    """The JSON of ``GET path`` once the server at ``port`` answers it with 200."""
+def answers(
+    port: int, path: str, timeout: float = 30.0, until: Callable[[Any], bool] = bool
+) -> Any:
+    """The JSON of ``GET path`` once the server at ``port`` answers it with 200 and
+    ``until`` holds of it (SAQ answers its errors with 200)."""
     ends = time.monotonic() + timeout
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
-                return json.loads(answer.read())
+                got = json.loads(answer.read())
+                if until(got):
+                    return got
         except OSError:
-            if time.monotonic() > ends:
-                raise RuntimeError(f"no server answers on port {port}") from None
-            time.sleep(0.1)
+            pass
+        if time.monotonic() > ends:
+            raise RuntimeError(f"no server answers GET {path} on port {port} as expected")
+        time.sleep(0.1)
+
+
+def done_job(port: int) -> None:
+    """Submit the job the reads ask for, and run it to ``done`` as an HTTP worker."""
+    post(port, f"/api/queues/{QUEUE}/jobs", {"payload": "read", "job_id": "bench-read"})
+    worker = post(port, "/api/workers", {"queues": [QUEUE]})["worker_id"]
+    path = f"/api/workers/{urllib.parse.quote(worker, safe='')}"
+    (leased,) = post(port, f"{path}/lease", {"queue": QUEUE})["processes"]
+    process = urllib.parse.quote(leased["id"], safe="")
+    post(port, f"/api/processes/{process}/finish", {"result": "read"})
+    delete(port, path)
 
 
 @contextlib.contextmanager
@@ -253,7 +272,7 @@ def run_worqr(python: str, url: str, redis: Redis, sizes: Sizes, results: Result
     port = free_port()
     argv = [python, "-m", "worqr", "--url", url, "dashboard", "--port", str(port)]
     with serving(argv, port):
-        post(port, f"/api/queues/{QUEUE}/jobs", {"payload": "read", "job_id": "bench-read"})
+        done_job(port)
         reads("worqr", port, f"/api/queues/{QUEUE}/jobs/bench-read", sizes.seconds, results)
         http_enqueue(port, sizes.seconds, results)
         http_lease(port, sizes.tasks, 1, results, "lease_1")
@@ -266,7 +285,9 @@ def run_saq(python: str, url: str, redis: Redis, sizes: Sizes, results: Results)
     web = Adapter("saq", python, url, "web")
     argv = web.argv("web", "--port", str(port), "--concurrency", str(HTTP_WORKERS))
     with serving(argv, port):
-        reads("saq", port, "/api/queues/web/jobs/bench-read", sizes.seconds, results)
+        job = "/api/queues/web/jobs/bench-read"
+        answers(port, job, until=lambda answer: answer.get("job", {}).get("status") == "complete")
+        reads("saq", port, job, sizes.seconds, results)
     library_path(Adapter("saq", python, url, "bench"), redis, sizes.tasks, results)
 
 
@@ -306,14 +327,17 @@ SETTINGS = """\
 - Reads: each route for {seconds:g} s at {connections} connections, then
   `GET /api/queues` at one connection for the latency. The job read is worqr's
   `GET /api/queues/{{queue}}/jobs/{{id}}` and SAQ's
-  `GET /api/queues/{{queue}}/jobs/{{key}}` of one job (worqr: queued; SAQ: done).
+  `GET /api/queues/{{queue}}/jobs/{{key}}` of one job, done in both (worqr's run by
+  an HTTP worker with a result, SAQ's by its worker).
 - Enqueue over HTTP: `POST /api/queues/{{queue}}/tasks` for {seconds:g} s, each task a
   {payload}-byte JSON payload as in the suite.
-- Lease over HTTP: {tasks:,} tasks queued beforehand; {workers} HTTP workers (each
+- Lease over HTTP: {tasks:,} tasks (short strings, their numbers, which the load
+  checks) queued beforehand; {workers} HTTP workers (each
   registered with `POST /api/workers`, each one connection) lease with
   `POST /api/workers/{{id}}/lease` and finish each process with
   `POST /api/processes/{{id}}/finish`, until every task is finished; timed from the
-  first lease to the last finish. Every task finished exactly once (checked).
+  first lease to the last finish, an empty lease answered by a new one 1 ms later
+  (counted in the time). Every task finished exactly once (checked).
 - Library references: {tasks:,} tasks, through each library's benchmark adapter
   (benchmarks/peers/): enqueue one awaited call at a time, and a drain by the
   library's worker at concurrency {workers} of tasks queued beforehand.
@@ -347,23 +371,26 @@ def section(results: Results, meta: dict[str, Any], libraries: list[str]) -> str
         "",
         suite.table(results, libraries, FIGURES),
         "",
-        "The last column is worqr's figure over SAQ's, turned so that above 1 means worqr",
-        "is better. SAQ's web server has read routes and retry/abort only, and no other",
-        "Python peer serves HTTP at all (arq and taskiq have no web server, RQ's",
-        "rq-dashboard reads and requeues, BullMQ's boards are Node.js), so enqueue and",
-        "lease over HTTP have no peer figure; the library rows, measured in the same run,",
-        "show what the HTTP hop costs against each library's own Python path.",
+        "The last column is worqr's figure over SAQ's (the only peer here), turned so",
+        "that above 1 means worqr is better. SAQ's web server has read routes and",
+        "retry/abort only, and no other Python peer has an HTTP enqueue or lease (arq and",
+        "taskiq serve no HTTP, RQ's rq-dashboard reads and requeues, BullMQ's boards are",
+        "Node.js), so those rows have no peer figure; the library rows, measured in the",
+        "same run, show what the HTTP hop costs against each library's own Python path.",
+        "These figures come from their own run: compare them with each other, not with",
+        "the tables above (another run, maybe another machine).",
+        spread(results),
         "",
         *costs(results),
         "",
         "Where the HTTP path costs what it costs:",
         "",
-        "- A job's status is two reads in worqr (its record, then its envelope's place in",
-        "  the queue, which tells queued from running) and one GET of a stored blob in SAQ.",
+        "- A job's status is a hash read and a JSON answer of a dozen fields in worqr (two",
+        "  reads while the job is queued: where its envelope is tells queued from",
+        "  running), one GET of a stored blob in SAQ.",
         "- Lease and finish: each finish is a request of its own (docs/http.md has no",
-        "  batch finish), so a lease of 50 costs 51 requests; the finishes that an HTTP",
-        "  worker's twin gets at the same moment share one transaction, as a consumer's",
-        "  do. The requests, not Redis, bound the rate: one core serves the app.",
+        "  batch finish), so a lease of 50 costs 51 requests, and a transaction of its own",
+        "  (a consumer's handlers that end in the same moment share one).",
         "",
         "### HTTP settings",
         "",
@@ -376,22 +403,41 @@ def section(results: Results, meta: dict[str, Any], libraries: list[str]) -> str
 
 
 def costs(results: Results) -> list[str]:
-    """What the HTTP path gives against the library path, in this run."""
+    """What the HTTP path gives against the library path, like for like, in this run."""
 
-    def ratio(http: str, library: str, who: str = "worqr") -> str:
-        ours, theirs = results.median("worqr", http), results.median(who, library)
+    def ratio(http: str, library: str) -> str:
+        ours, theirs = results.median("worqr", http), results.median("worqr", library)
         return "n/a" if not ours or not theirs else f"{ours / theirs:.2f}x"
 
     return [
-        f"- Enqueue over HTTP at {CONNECTIONS} connections, one task a request: "
-        f"{ratio('enqueue_c', 'library_enqueue')} worqr's library enqueue one call at a "
-        f"time, {ratio('enqueue_c', 'library_enqueue', 'saq')} SAQ's.",
-        f"- Batches of {BATCH} over HTTP: {ratio('enqueue_batch', 'library_enqueue')} "
-        "worqr's library enqueue one call at a time.",
-        f"- Lease and finish over HTTP, up to {LEASE_BATCH} a lease: "
-        f"{ratio('lease_batch', 'library_drain')} worqr's own worker at the same "
-        f"concurrency, {ratio('lease_batch', 'library_drain', 'saq')} SAQ's worker.",
+        "- Enqueue over HTTP, one task a request on one connection: "
+        f"{ratio('enqueue_1', 'library_enqueue')} worqr's library enqueue, one awaited "
+        "call at a time.",
+        f"- Batches of {BATCH} over HTTP on {CONNECTIONS} connections: "
+        f"{ratio('enqueue_batch', 'library_enqueue')} that.",
+        f"- Lease and finish over HTTP, up to {LEASE_BATCH} a lease, {HTTP_WORKERS} workers: "
+        f"{ratio('lease_batch', 'library_drain')} worqr's own worker at concurrency "
+        f"{HTTP_WORKERS}.",
     ]
+
+
+def spread(results: Results) -> str:
+    """How far one figure's samples lie apart, at most, over its median."""
+    widest = max(
+        (
+            ((max(values) - min(values)) / statistics.median(values), key)
+            for samples in results.samples.values()
+            for key, values in samples.items()
+            if len(values) > 1 and statistics.median(values) > 0
+        ),
+        default=None,
+    )
+    if widest is None:
+        return "One sample per figure (no spread measured)."
+    return (
+        f"Medians; the samples of one figure lie at most {widest[0]:.0%} of its median "
+        f"apart ({widest[1]}; every sample is in benchmarks-http.json)."
+    )
 
 
 def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""The HTTP load of benchmarks/http.py: keep-alive connections that send requests back
+"""The HTTP load of benchmarks/http_api.py: keep-alive connections that send requests back
 to back, as a separate process so that the server measured has a core of its own.
 
 ``python -m benchmarks.http_load SPEC`` where SPEC is a JSON object; it prints one

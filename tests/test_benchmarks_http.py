@@ -24,7 +24,7 @@ def test_a_small_run_reads_enqueues_and_leases_every_task_once() -> None:
     with EmbeddedServer() as server:
         argv = [sys.executable, "-m", "worqr", "--url", server.url, "dashboard"]
         with http_api.serving([*argv, "--port", str(port)], port):
-            http_api.post(port, "/api/queues/http/jobs", {"payload": "p", "job_id": "bench-read"})
+            http_api.done_job(port)
             http_api.reads("worqr", port, "/api/queues/http/jobs/bench-read", 0.3, results)
             http_api.http_enqueue(port, 0.3, results)
             # the lease raises unless every task was finished exactly once

@@ -901,14 +901,6 @@ class Worqr:
         ref = self._ref(process)
         if await self._fenced(ref):
             return False
-        held = self._held.get(ref.id)
-        if held is not None and ref.id not in self._ending:
-            # Dequeued here: finished with the others of its queue that end now, as a
-            # handler's are (an HTTP worker's twin finishes many at once).
-            with self._ending_process(ref.id):
-                finished = await self._finish_batched(held, ref, result)
-            self._held.pop(ref.id, None)
-            return finished
         now = await self._clock.now_ms(self._redis)
         with self._ending_process(ref.id):
             task = await _ops.finish(self._redis, self._keys, ref, result, now)

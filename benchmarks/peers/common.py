@@ -59,12 +59,13 @@ The schedule benchmark (benchmarks/schedules.py) adds one mode:
     ``$BENCH_CLOCK_OFFSET_MS`` set, the process's wall clock is offset first
     (`skew_clock`).
 
-The HTTP benchmark (benchmarks/http.py) adds one mode, SAQ only:
+The HTTP benchmark (benchmarks/http_api.py) adds one mode, SAQ only:
 
 ``web --port P --concurrency C``
     The library's own web server on port P, started the way its users start it, with
-    the worker it comes with; one job under the key ``bench-read`` is enqueued at its
-    start, for the job-status route. Prints ``ready`` once the worker started.
+    the worker it comes with; one job under the key ``bench-read`` is enqueued soon
+    after its start and run, for the job-status route (the benchmark waits until its
+    status is ``complete``). Prints ``ready`` once the worker started.
 
 Every adapter uses the queue name given by ``--queue`` and connects to ``--url``.
 """
