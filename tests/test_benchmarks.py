@@ -36,6 +36,8 @@ def test_quick_suite_runs_every_worqr_workload(tmp_path: Path) -> None:
         "drain_1",
         "drain_2",
         "enqueue_single",
+        "enqueue_over_ping",
+        "enqueue_concurrent",
         "enqueue_batch",
         "latency_p50_ms",
         "latency_p99_ms",

@@ -160,12 +160,13 @@ async def _paused(client: Redis, seconds: float) -> AsyncIterator[None]:
 
 
 async def _exhaust_and_recover(worqr: Worqr, server: Redis) -> None:
-    """With ``max_connections=2``: two enqueues stuck on a paused server hold the pool;
-    a third call waits ``pool_timeout`` and raises saying so, and breaks nothing: after
-    the pause the stuck ones complete."""
+    """With ``max_connections=2``: two enqueues stuck on a paused server hold the pool
+    (unique ones: plain ones would share one round trip, on one connection); a third
+    call waits ``pool_timeout`` and raises saying so, and breaks nothing: after the
+    pause the stuck ones complete."""
     async with anyio.create_task_group() as tg, _paused(server, 10):
         for n in range(2):
-            tg.start_soon(worqr.enqueue, "q", f"stuck{n}")
+            tg.start_soon(functools.partial(worqr.enqueue, "q", f"stuck{n}", unique=True))
 
         async def both_held() -> bool:
             return int((await server.info("clients"))["blocked_clients"]) >= 2

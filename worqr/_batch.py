@@ -6,11 +6,16 @@ turn of the event loop, so that every caller ready in that turn joins, and then
 writes them all at once; callers arriving while a flush is in flight form the next
 batch. A lone caller waits one loop turn at most, so latency at light load is
 unchanged, and under load the batch grows with the load.
+
+An eager group commit (enqueue's) skips that turn: a caller that finds nothing being
+written writes its own item at once, alone, and the callers that arrive meanwhile
+form the next batch. A caller one at a time costs no more than the write itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -22,29 +27,72 @@ class GroupCommit(Generic[_Item, _Result]):
     """Batches ``submit`` calls into calls of ``write`` with up to ``limit`` items.
 
     ``write`` returns one result per item, in order. If it raises, every caller of
-    that batch gets the exception (and may retry: its item is no longer queued).
+    that batch gets the exception, each its own copy (and may retry: its item is no
+    longer queued). With ``withdraw``, a caller cancelled while its item waits for a
+    batch withdraws it (without, the item is written all the same: a handler's finish
+    must not be lost to a cancellation).
     """
 
     def __init__(
-        self, write: Callable[[Sequence[_Item]], Awaitable[Sequence[_Result]]], limit: int
+        self,
+        write: Callable[[Sequence[_Item]], Awaitable[Sequence[_Result]]],
+        limit: int,
+        *,
+        eager: bool = False,
+        withdraw: bool = False,
     ) -> None:
         self._write = write
         self._limit = limit
+        self._eager = eager
+        self._withdraw = withdraw
+        self._alone = False  # an eager caller's own write is in flight
         self._pending: list[tuple[_Item, asyncio.Future[_Result]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._quiet = asyncio.Event()  # set while idle
+        self._quiet.set()
 
     @property
     def idle(self) -> bool:
         """True when nothing is queued or being written (the owner may drop it)."""
-        return not self._pending and self._flusher is None
+        return not self._pending and self._flusher is None and not self._alone
+
+    async def settled(self) -> None:
+        """Wait until every item submitted so far is written (or failed)."""
+        while not self.idle:
+            await self._quiet.wait()
+
+    def _changed(self) -> None:
+        if self.idle:
+            self._quiet.set()
+        else:
+            self._quiet.clear()
 
     async def submit(self, item: _Item) -> _Result:
         """Queue ``item`` for the next batch and wait for its result."""
+        if self._eager and self.idle:
+            self._alone = True
+            self._changed()
+            try:
+                return (await self._write([item]))[0]
+            finally:
+                self._alone = False
+                if self._pending and self._flusher is None:
+                    self._flusher = asyncio.create_task(self._flush())
+                self._changed()
         future: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
-        if self._flusher is None:
+        if self._flusher is None and not self._alone:
             self._flusher = asyncio.create_task(self._flush())
-        return await future
+        self._changed()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            for index, (_, waiting) in enumerate(self._pending):
+                if self._withdraw and waiting is future:  # not in a batch yet: never written
+                    del self._pending[index]
+                    break
+            self._changed()
+            raise
 
     async def _flush(self) -> None:
         try:
@@ -58,16 +106,17 @@ class GroupCommit(Generic[_Item, _Result]):
             for _, future in self._pending:  # only when cancelled: nobody will write them
                 future.cancel()
             self._pending.clear()
+            self._changed()
 
     async def _write_batch(self, batch: list[tuple[_Item, asyncio.Future[_Result]]]) -> None:
         try:
             results = await self._write([item for item, _ in batch])
         except BaseException as exc:
-            for _, future in batch:
+            for index, (_, future) in enumerate(batch):
                 if future.done():
                     continue
                 if isinstance(exc, Exception):
-                    future.set_exception(exc)
+                    future.set_exception(exc if index == 0 else _copy(exc))
                 else:
                     future.cancel()
             if not isinstance(exc, Exception):
@@ -76,3 +125,15 @@ class GroupCommit(Generic[_Item, _Result]):
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+
+def _copy(exc: Exception) -> Exception:
+    """``exc`` for one more caller: one exception object raised in many tasks would
+    gather all their tracebacks. The cause and the writer's traceback stay."""
+    try:
+        clone = copy.copy(exc)
+    except Exception:  # an exception that cannot be rebuilt from its args: share it
+        return exc
+    clone.__cause__ = exc.__cause__
+    clone.__suppress_context__ = exc.__suppress_context__
+    return clone.with_traceback(exc.__traceback__)

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import contextvars
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -45,6 +45,7 @@ from redis.exceptions import (
     MovedError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -519,6 +520,40 @@ async def pinned(client: Redis) -> AsyncIterator[Pinned]:
     connection = await pool.get_connection()
     try:
         yield Pinned(Redis(connection_pool=_OneConnection(connection, pool)), connection)  # type: ignore[arg-type]
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pool.release(connection)
+
+
+async def round_trip(client: Redis, commands: Sequence[tuple[str | int | float, ...]]) -> list[Any]:
+    """Send ``commands`` in one write and read their replies in order, a command's
+    error in its place: a pipeline without redis-py's pipeline object, whose own
+    bookkeeping costs about as much as a round trip on a fast link. Resent as the
+    client's retry policy says, as a pipeline is; a connection left with replies
+    unread (an error, a cancellation) is dropped, never given back to the pool."""
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+
+    async def attempt() -> list[Any]:
+        await connection.send_packed_command(connection.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+
+    async def dropped(error: Exception) -> None:
+        await connection.disconnect()
+
+    try:
+        replies: list[Any] = await connection.retry.call_with_retry(attempt, dropped)
+        return replies
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await connection.disconnect(nowait=True)
+        raise
     finally:
         with anyio.CancelScope(shield=True):
             await pool.release(connection)

@@ -27,7 +27,7 @@ from redis.exceptions import MaxConnectionsError, RedisError, ResponseError, Wat
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._connections import Client as Client
-from ._connections import Pinned, on_slot, pinned
+from ._connections import Pinned, on_slot, pinned, round_trip
 from ._deps import dependencies_of
 from ._envelope import Envelope, Header, unwrap, wrap
 from ._errors import (
@@ -40,6 +40,7 @@ from ._errors import (
     ReplicationError,
     is_wrong_type,
     redis_boundary,
+    translate,
 )
 from ._flow import Flow, Paused, Throttled, read_flow
 from ._jobs import Backoff
@@ -415,6 +416,57 @@ async def enqueue(
             return await _wait(one, wait)
 
     return await _register_after(r, keys, queue, on_slot(r, keys.tasks(queue), waited))
+
+
+Push = tuple[str, str, Sequence[str]]
+"""One `enqueue` call's push: (queue, level, tasks)."""
+
+
+@redis_boundary
+async def enqueue_many(r: Redis, keys: Keys, pushes: Sequence[Push]) -> list[BackendError | None]:
+    """Several callers' pushes (as `enqueue`'s, no ``wait``) in one round trip to one
+    server; each push's outcome, in order: None, or the error of its own commands.
+
+    The pushes to one list become one RPUSH in call order (one event for them all),
+    so each list gets its tasks as the calls one after the other would have given
+    them. An error in place (WRONGTYPE, an ACL's NOPERM) fails only the calls whose
+    commands it answered; the registry's, as in `enqueue`, every call but for WRONGTYPE.
+    Keys: the level lists (LIST), queues (SET). One pipeline, one round trip:
+      1. RPUSH <level> task...                 (each list the batch pushes to)
+      2. PUBLISH events work:<count>           (after its list's push)
+      3. SADD queues queue...                  (after every push, as in `enqueue`)
+    """
+    lists: dict[tuple[str, str], list[str]] = {}
+    for queue, level, tasks in pushes:
+        lists.setdefault((queue, level), []).extend(tasks)
+    commands: list[Command] = []
+    for (queue, level), tasks in lists.items():
+        commands += [
+            ("RPUSH", keys.level(queue, level), *tasks),
+            announce(keys, queue, level, len(tasks)),
+        ]
+    commands.append(("SADD", keys.queues, *dict.fromkeys(queue for queue, _, _ in pushes)))
+    replies = await round_trip(r, commands)
+    failed: dict[tuple[str, str], ResponseError] = {}
+    for index, pushed in enumerate(lists):
+        pushed_reply, event_reply = replies[2 * index], replies[2 * index + 1]
+        for reply in (pushed_reply, event_reply):
+            if isinstance(reply, ResponseError):
+                failed[pushed] = reply
+                break
+    registry = replies[-1]
+    if not isinstance(registry, ResponseError) or is_wrong_type(registry):
+        registry = None  # a wrong-typed registry: check() reports it
+    outcomes: list[BackendError | None] = []
+    for queue, level, _ in pushes:
+        reply = failed.get((queue, level), registry)
+        if reply is None:
+            outcomes.append(None)
+            continue
+        error = _corrupt(keys.level(queue, level)) if is_wrong_type(reply) else translate(reply)
+        error.__cause__ = reply
+        outcomes.append(error)
+    return outcomes
 
 
 @redis_boundary

@@ -80,6 +80,7 @@ _BAD_ENVELOPE = "unreadable job envelope (kept as it was)"
 _DAY = 86400.0
 _REPORT_EVERY = 60.0  # seconds between two warnings about the same corrupt key
 _FINISH_BATCH = 256  # processes finished in one transaction at most
+_ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
 _LEAVE_PAUSES = (0.1, 0.3, 1.0, 2.0, None)  # between tries of the shutdown's fail_worker
 _LEAVE_LIMIT = 15.0  # seconds the shutdown's fail_worker may take, tries included
@@ -185,6 +186,8 @@ class Worqr:
         self._pickers: dict[str, Picker] = {}  # queue -> the levels' credit of its dequeues
         self._starting = anyio.Lock()
         self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
+        # Plain enqueues that overlap in time share a round trip (see `enqueue`).
+        self._pushes = GroupCommit(self._push_many, _ENQUEUE_BATCH, eager=True, withdraw=True)
         self._consumers: set[Consumer] = set()
         self._lost = False
         self._recovering = anyio.Lock()
@@ -349,6 +352,8 @@ class Worqr:
         if self._runner_scope is not None:
             self._runner_scope.cancel()
         with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(_CLOSE_LIMIT):  # enqueues made before the close
+                await self._pushes.settled()
             async with contextlib.AsyncExitStack() as closing:  # closes in reverse order
                 for resource in reversed(self._owned):
                     closing.push_async_callback(resource.aclose)
@@ -415,15 +420,33 @@ class Worqr:
         identical unique task is queued or in process in this queue. With
         ``wait_replicas`` (see the constructor), returns once that many replicas have
         the tasks, or raises `ReplicationError` after ``wait_timeout``.
+
+        On one server (not a Cluster), plain calls (neither option) made while another
+        is in flight wait for it and then share the next round trip: each gets its own
+        outcome, its tasks stay together, and the calls to one list land in call order
+        (docs/diagrams/enqueue.md).
+        A call cancelled while it waits writes nothing. Raises `ClosedError` once the
+        `Worqr` is closed; `close` lets calls made before it finish.
         """
         check_queue(queue)
         tasks = [check_plain_task(task) for task in check_tasks(task_or_tasks)]
         level = check_priority(priority)
         if level != "normal":
             await self._enable_jobs()  # version-2 peers know no levels: they must refuse
-        push = _ops.enqueue_unique if unique else _ops.enqueue
-        confirmed = await push(self._redis, self._keys, queue, tasks, self._wait, level)
-        self._require_replicas(confirmed, f"{len(tasks)} task(s) are queued in {queue!r}")
+        if self._closed:
+            raise ClosedError("this Worqr is closed")
+        if unique or self._wait is not None or not isinstance(self._redis, Redis):
+            push = _ops.enqueue_unique if unique else _ops.enqueue
+            confirmed = await push(self._redis, self._keys, queue, tasks, self._wait, level)
+            self._require_replicas(confirmed, f"{len(tasks)} task(s) are queued in {queue!r}")
+            return
+        failed = await self._pushes.submit((queue, level, tasks))
+        if failed is not None:
+            raise failed
+
+    async def _push_many(self, pushes: Sequence[_ops.Push]) -> list[BackendError | None]:
+        assert isinstance(self._redis, Redis)  # a Cluster's calls go alone: see `enqueue`
+        return await _ops.enqueue_many(self._redis, self._keys, pushes)
 
     def _require_replicas(self, confirmed: int | None, what: str) -> None:
         """Raise `ReplicationError` if fewer replicas than ``wait_replicas`` confirmed

@@ -60,6 +60,7 @@ from common import (
     DrainClock,
     RetryClock,
     Schedule,
+    calls,
     due_times,
     emit,
     parse_args,
@@ -103,10 +104,11 @@ async def enqueue() -> None:
         emit({"unsupported": "arq has no batch enqueue: one enqueue_job transaction per job"})
         return
     redis = await connect()
-    begun = time.perf_counter()
-    for i in range(ARGS.n):
+
+    async def call(i: int) -> None:
         await redis.enqueue_job(TASK, payload(i, ARGS.payload_bytes))
-    emit({"seconds": time.perf_counter() - begun})
+
+    emit({"seconds": await calls(ARGS.n, ARGS.callers, call)})
     await redis.aclose()
 
 

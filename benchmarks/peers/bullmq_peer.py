@@ -60,6 +60,7 @@ from common import (
     DrainClock,
     RetryClock,
     Schedule,
+    calls,
     due_times,
     emit,
     parse_args,
@@ -93,10 +94,14 @@ async def enqueue() -> None:
         for first in range(0, ARGS.n, BATCH):
             last = min(ARGS.n, first + BATCH)
             await queue.addBulk([task(payload(i, ARGS.payload_bytes)) for i in range(first, last)])
+        seconds = time.perf_counter() - begun
     else:
-        for i in range(ARGS.n):
+
+        async def call(i: int) -> None:
             await queue.add(NAME, {"payload": payload(i, ARGS.payload_bytes)})
-    emit({"seconds": time.perf_counter() - begun})
+
+        seconds = await calls(ARGS.n, ARGS.callers, call)
+    emit({"seconds": seconds})
     await queue.close()
 
 

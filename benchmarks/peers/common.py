@@ -4,10 +4,12 @@ An adapter is one script per library, run with the Python of that library's own
 virtual environment (their pins conflict), so this module uses only the standard
 library. The suite drives every adapter through the same five modes:
 
-``enqueue --n N [--batch] [--payload-bytes B]``
+``enqueue --n N [--batch] [--payload-bytes B] [--callers K]``
     Enqueue N no-op tasks, one awaited call each, or with the library's batch call;
     task i's payload is ``str(i)``, or with B > 0 a JSON text of B characters
-    (`payload`). Prints ``{"seconds": s}`` or ``{"unsupported": "why"}``.
+    (`payload`). With K > 1, K coroutines at once each make their share of the calls,
+    one awaited call at a time (`calls`), on one client. Prints ``{"seconds": s}`` or
+    ``{"unsupported": "why"}``.
 ``drain --concurrency C [--expect N]``
     Run the library's normal worker over a queue filled beforehand, with a no-op
     handler, until N handlers have run (or, without ``--expect``, until idle for
@@ -140,6 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--role", choices=["setup", "worker", "scheduler"], default="worker")
     parser.add_argument("--every", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--callers", type=int, default=1)
     args = parser.parse_args(argv)
     global _buffered
     _buffered = args.buffered
@@ -315,6 +318,23 @@ class Schedule:
         delay = self.origin + self.index * self.interval - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+
+
+async def calls(n: int, callers: int, call: Callable[[int], Awaitable[Any]]) -> float:
+    """Make ``call(i)`` for i in 0..n-1, awaited one at a time by each of ``callers``
+    coroutines running at once (caller c makes the calls i = c, c + callers, ...);
+    the seconds it took."""
+
+    async def caller(first: int) -> None:
+        for i in range(first, n, callers):
+            await call(i)
+
+    begun = time.perf_counter()
+    if callers == 1:
+        await caller(0)
+    else:
+        await asyncio.gather(*(caller(c) for c in range(callers)))
+    return time.perf_counter() - begun
 
 
 def due_times(n: int, rate: float, lead: float) -> list[int]:

@@ -103,6 +103,9 @@ def cron(args: argparse.Namespace, queue: Queue) -> None:
 
 
 def enqueue(args: argparse.Namespace, queue: Queue) -> None:
+    if args.callers > 1:
+        emit({"unsupported": "RQ's client is synchronous: one call at a time per thread"})
+        return
     begun = time.perf_counter()
     if args.batch:
         for first in range(0, args.n, BATCH):

@@ -65,6 +65,7 @@ from common import (
     DrainClock,
     RetryClock,
     Schedule,
+    calls,
     cron_fields,
     due_times,
     emit,
@@ -111,10 +112,11 @@ async def enqueue() -> None:
         emit({"unsupported": "saq 0.26 has no bulk enqueue: one enqueue script call per job"})
         return
     queue = await connect()
-    begun = time.perf_counter()
-    for i in range(ARGS.n):
+
+    async def call(i: int) -> None:
         await queue.enqueue(TASK, payload=payload(i, ARGS.payload_bytes))
-    emit({"seconds": time.perf_counter() - begun})
+
+    emit({"seconds": await calls(ARGS.n, ARGS.callers, call)})
     await queue.disconnect()
 
 

@@ -45,6 +45,7 @@ from common import (
     DrainClock,
     RetryClock,
     Schedule,
+    calls,
     emit,
     parse_args,
     payload,
@@ -76,10 +77,11 @@ async def enqueue() -> None:
         emit({"unsupported": "taskiq has no batch enqueue; every kiq() is its own XADD"})
         return
     async with producing() as task:
-        begun = time.perf_counter()
-        for i in range(ARGS.n):
+
+        async def call(i: int) -> None:
             await task.kiq(payload(i, ARGS.payload_bytes))
-        emit({"seconds": time.perf_counter() - begun})
+
+        emit({"seconds": await calls(ARGS.n, ARGS.callers, call)})
 
 
 async def drain() -> None:

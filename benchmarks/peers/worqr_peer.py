@@ -34,6 +34,7 @@ from common import (
     DrainClock,
     RetryClock,
     Schedule,
+    calls,
     due_times,
     emit,
     parse_args,
@@ -74,10 +75,18 @@ async def enqueue() -> None:
                 await worqr.enqueue(
                     ARGS.queue, [payload(i, ARGS.payload_bytes) for i in range(first, last)]
                 )
-        else:
-            for i in range(ARGS.n):
-                await worqr.enqueue(ARGS.queue, payload(i, ARGS.payload_bytes))
-        emit({"seconds": time.perf_counter() - begun})
+            emit({"seconds": time.perf_counter() - begun})
+            return
+
+        async def call(i: int) -> None:
+            await worqr.enqueue(ARGS.queue, payload(i, ARGS.payload_bytes))
+
+        seconds = await calls(ARGS.n, ARGS.callers, call)
+        # The floor of one call at a time: a bare round trip on a client like worqr's.
+        ping = Redis.from_url(ARGS.url)
+        floor = await calls(ARGS.n, 1, lambda i: ping.ping())
+        await ping.aclose()
+        emit({"seconds": seconds, "ping_seconds": floor})
 
 
 async def drain() -> None:
