@@ -62,7 +62,7 @@ def chaos(*flags: str, timeout: float) -> tuple[list[str], dict[str, Any]]:
 @pytest.mark.parametrize(
     ("flags", "min_kills"),
     [
-        ((), 10),
+        pytest.param((), 10, marks=pytest.mark.long),  # the suite runs it through the proxy
         (("--proxy",), 5),
         pytest.param(("--high-concurrency",), 5, marks=pytest.mark.long),
     ],

@@ -163,7 +163,7 @@ async def _subscriber_nodes(nodes: list[EmbeddedServer]) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wait_replicas", [0, 1])
+@pytest.mark.parametrize("wait_replicas", [pytest.param(0, marks=pytest.mark.long), 1])
 async def test_cluster_primary_failover_loses_at_most_the_replication_lag(
     wait_replicas: int,
 ) -> None:
