@@ -87,11 +87,9 @@ class GroupCommit(Generic[_Item, _Result]):
         try:
             return await future
         except asyncio.CancelledError:
-            for index, (_, waiting) in enumerate(self._pending):
-                if self._withdraw and waiting is future:  # not in a batch yet: never written
-                    del self._pending[index]
-                    break
-            self._changed()
+            if self._withdraw:  # if not in a batch yet, it is never written
+                self._pending[:] = [entry for entry in self._pending if entry[1] is not future]
+                self._changed()
             raise
 
     async def _flush(self) -> None:

@@ -528,8 +528,10 @@ async def pinned(client: Redis) -> AsyncIterator[Pinned]:
 async def round_trip(client: Redis, commands: Sequence[tuple[str | int | float, ...]]) -> list[Any]:
     """Send ``commands`` in one write and read their replies in order, a command's
     error in its place: a pipeline without redis-py's pipeline object, whose own
-    bookkeeping costs about as much as a round trip on a fast link. Resent as the
-    client's retry policy says, as a pipeline is; a connection left with replies
+    bookkeeping costs about as much as a round trip on a fast link. The replies are
+    raw (redis-py's reply callbacks do not run: ``SET`` gives ``OK``, ``HGETALL`` a
+    flat list), so it suits commands whose replies are counts or errors. Resent as
+    the client's retry policy says, as a pipeline is; a connection left with replies
     unread (an error, a cancellation) is dropped, never given back to the pool."""
     pool = client.connection_pool
     connection = await pool.get_connection()
