@@ -29,6 +29,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +86,30 @@ JSON object (`payload` in peers/common.py), as real tasks carry, not a bare numb
 CALLERS = 50
 """Coroutines that enqueue at once, each one awaited call at a time, in the concurrent
 enqueue workload."""
+CLI_CONCURRENCIES = (50, 64)
+"""The concurrencies of the drain by each library's own worker command."""
+CLI_WORKERS: dict[str, Callable[[str, str, str, int], list[str]] | None] = {
+    "worqr": lambda python, url, queue, c: [
+        *(python, "-m", "worqr", "worker", "--url", url, "-q"),
+        *("--concurrency", str(c), "worqr_tasks:handle", queue),
+    ],
+    "arq": lambda python, url, queue, c: [
+        *(python, "-m", "arq", "arq_tasks.WorkerSettings"),
+        *("--custom-log-dict", "arq_tasks.LOGGING"),
+    ],
+    "saq": lambda python, url, queue, c: [python, "-m", "saq", "saq_tasks.settings"],
+    "taskiq": lambda python, url, queue, c: [
+        *(python, "-m", "taskiq", "worker", "taskiq_tasks:broker", "--workers", "1"),
+        *("--max-async-tasks", str(c), "--log-level", "WARNING"),
+    ],
+    "bullmq": None,
+}
+"""How each library's users start a worker: its own command line on a module of
+benchmarks/peers/cli/ (one process, a no-op task, no line logged per task: worqr's
+``-q``, arq's own log configuration at WARNING, taskiq's ``--log-level WARNING``,
+SAQ's default, which logs errors only). BullMQ's Python package has no worker
+command: its users start a ``Worker`` in a script of their own, which the adapter's
+``drain`` is. RQ runs one task at a time per process, so it has no figure here."""
 COMMAND_CONCURRENCIES = (1, 16)
 """worqr's drain is also counted at these concurrencies (commands per task depend on
 how many tasks one transaction takes and ends)."""
@@ -296,6 +321,66 @@ def commands_at(adapter: Adapter, redis: Redis, n: int, concurrency: int, result
     results.add(adapter.library, f"commands_per_task_c{concurrency}", commands(redis) / n)
 
 
+def drain_cli(
+    adapter: Adapter,
+    redis: Redis,
+    n: int,
+    concurrency: int,
+    results: Results,
+    *,
+    jobs: bool = False,
+) -> None:
+    """A 1-process drain by the library's worker as its users start it (`CLI_WORKERS`),
+    timed from the first task's start to the last one's end as the task module saw
+    them (benchmarks/peers/cli/tally.py); with ``jobs``, of worqr's job envelopes."""
+    library = adapter.library
+    figure = f"drain_{'jobs_' if jobs else ''}cli_{concurrency}"
+    redis.flushall()
+    if jobs:
+        adapter.run("enqueue", "--n", str(n), "--batch", "--jobs")
+    else:
+        fill(adapter, n)
+    command = CLI_WORKERS[library]
+    if command is None:  # no worker command: the adapter's script is how it is run
+        out = adapter.run("drain", "--expect", str(n), "--concurrency", str(concurrency))
+        results.add(library, figure, out["count"] / (out["last_end"] - out["started"]))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        done, log = Path(tmp) / "drain.json", Path(tmp) / "stderr"
+        env = {
+            **os.environ,
+            "BENCH_URL": adapter.url,
+            "BENCH_QUEUE": adapter.queue,
+            "BENCH_CONCURRENCY": str(concurrency),
+            "BENCH_EXPECT": str(n),
+            "BENCH_OUT": str(done),
+        }
+        with log.open("w") as errors:
+            worker = subprocess.Popen(
+                command(adapter.python, adapter.url, adapter.queue, concurrency),
+                cwd=PEERS_DIR / "cli",
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+                start_new_session=True,  # taskiq's command runs its worker as a child
+            )
+        try:
+            deadline = time.monotonic() + max(600.0, n / 10)
+            while not done.exists():
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{library}'s worker command did not drain {n} tasks: "
+                        f"{log.read_text()[-2000:]}"
+                    )
+                time.sleep(0.05)
+            out = json.loads(done.read_text())
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
+    results.add(library, figure, out["count"] / (out["last_end"] - out["started"]))
+
+
 def drain_two(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
     redis.flushall()
     fill(adapter, n)
@@ -381,7 +466,9 @@ def recovery(adapter: Adapter, redis: Redis, bound: float, results: Results) -> 
 
 
 def fleet(adapter: Adapter, redis: Redis, workers: int, seconds: float, results: Results) -> None:
-    """Commands per second of ``workers`` idle worqr workers (heartbeats, cleanup)."""
+    """Commands per second of ``workers`` idle worqr workers of one queue (heartbeats,
+    supervision, and the duties of a queue with an hourly schedule and a job delayed
+    by an hour: the timers of the next tick and of the next due job)."""
     redis.flushall()
     process = subprocess.Popen(
         adapter.argv("fleet", "--workers", str(workers)),
@@ -442,6 +529,11 @@ def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[
                         for concurrency in COMMAND_CONCURRENCIES:
                             commands_at(adapter, redis, n, concurrency, results)
                     drain_two(adapter, redis, n, results)
+                    if library in CLI_WORKERS:
+                        for concurrency in CLI_CONCURRENCIES:
+                            drain_cli(adapter, redis, n, concurrency, results)
+                            if library == "worqr":
+                                drain_cli(adapter, redis, n, concurrency, results, jobs=True)
                     enqueue(adapter, redis, sizes, results)
                     latency(adapter, redis, sizes.latency, results)
                     if library in recovering and not recovery(
@@ -463,6 +555,18 @@ def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[
 FIGURES = [
     ("drain_1", "Drain, 1 process (tasks/s)", True),
     ("drain_2", "Drain, 2 processes (tasks/s)", True),
+    *(
+        (f"drain_cli_{c}", f"Drain, worker as its users start it, concurrency {c} (tasks/s)", True)
+        for c in CLI_CONCURRENCIES
+    ),
+    *(
+        (
+            f"drain_jobs_cli_{c}",
+            f"Drain of job envelopes, as above, concurrency {c} (tasks/s)",
+            True,
+        )
+        for c in CLI_CONCURRENCIES
+    ),
     ("enqueue_single", "Enqueue, one at a time (tasks/s)", True),
     ("enqueue_over_ping", "Enqueue one at a time over a bare PING (time ratio)", False),
     ("enqueue_concurrent", f"Enqueue, {CALLERS} coroutines at once (tasks/s)", True),
@@ -496,7 +600,7 @@ def table(
             cells.append("n/a" if value is None else _fmt(value))
         ours = results.median("worqr", key)
         theirs = [v for v in (results.median(p, key) for p in peers) if v is not None]
-        if key == "drain_1":
+        if key == "drain_1" or key.startswith("drain_cli_"):
             theirs = [
                 v for p in peers if p in AT_LEAST_ONCE and (v := results.median(p, key)) is not None
             ]
@@ -525,6 +629,14 @@ SETTINGS = """\
 - Async libraries run under uvloop; every library's venv has hiredis.
 - Drain: {drain:,} no-op tasks queued beforehand (RQ: {slow_drain:,}), timed from the
   worker's start to the last handler's end. 2 processes: the same, two workers at once.
+- Drain by the worker as its users start it: the same tasks, drained by one process
+  of the library's own worker command at concurrency 50 and 64 (worqr `worqr worker
+  -q --concurrency C`; arq `arq WorkerSettings` with `max_jobs` C and its log
+  configuration at WARNING; taskiq `taskiq worker --workers 1 --max-async-tasks C
+  --log-level WARNING`; SAQ `saq settings` with `concurrency` C; BullMQ, which has no
+  worker command, its `Worker` in the adapter's script), timed from the first task's
+  start to the last one's end (benchmarks/peers/cli/). Job envelopes: worqr's, from
+  `submit_many` with every option at its default, drained the same way.
 - Enqueue: {enqueue:,} tasks one awaited call at a time; batched: {batch:,} tasks in
   calls of 1,000 (libraries without a batch call show n/a); concurrent: {enqueue:,}
   tasks by {callers} coroutines at once on one client, each one awaited call at a
@@ -563,6 +675,23 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
             f"- Drain, 1 process: {drain / rival[1]:.1f}x the fastest at-least-once peer "
             f"({rival[0]}); target 5x. {drain:,.0f} tasks/s against the aim of 10,000."
         )
+    for c in CLI_CONCURRENCIES:
+        mine = ours(f"drain_cli_{c}")
+        rival = best(f"drain_cli_{c}", [p for p in peers if p in AT_LEAST_ONCE], True)
+        if mine and rival:
+            verdict = "met" if mine >= 5 * rival[1] else "not met"
+            lines.append(
+                f"- Drain by the worker command, concurrency {c}: {mine:,.0f} tasks/s, "
+                f"{mine / rival[1]:.1f}x the fastest at-least-once peer ({rival[0]}); "
+                f"target 5x: {verdict}."
+            )
+        jobs = ours(f"drain_jobs_cli_{c}")
+        if mine and jobs:
+            verdict = "met" if jobs >= 0.9 * mine else "not met"
+            lines.append(
+                f"- Job envelopes, same drain at concurrency {c}: {jobs:,.0f} jobs/s, "
+                f"{jobs / mine:.2f}x plain tasks; target at least 0.90x: {verdict}."
+            )
     two = ours("drain_2")
     if drain and two:
         lines.append(f"- Drain, 2 processes: {two / drain:.2f}x one process.")
@@ -695,8 +824,10 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
         "",
         "## Supervision cost of idle workers (worqr)",
         "",
-        "Redis commands per second spent by idle workers (heartbeats, the lease-gated",
-        "cleanup scan, idle polls); it grows linearly with the number of workers.",
+        "Redis commands per second spent by idle workers of one queue (heartbeats, the",
+        "lease-gated cleanup scan, idle polls, and the duties of a queue with an hourly",
+        "schedule and a job delayed by an hour); it grows linearly with the number of",
+        "workers.",
         "",
         "| idle workers | Redis commands/s |",
         "|---|---|",

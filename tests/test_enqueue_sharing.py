@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from worqr import ClosedError, CorruptDataError, DuplicateTaskError, PermissionDeniedError, Worqr
 from worqr._batch import GroupCommit
-from worqr._connections import Client, round_trip
+from worqr._connections import Client
 from worqr._errors import is_wrong_type
 
 from .helpers import Factory
@@ -223,29 +223,3 @@ async def test_a_failed_round_trip_gives_each_caller_its_own_exception() -> None
         await first
     await group.settled()
     assert group.idle
-
-
-async def test_a_round_trip_cancelled_mid_reply_leaves_no_stale_reply_behind(
-    proxy: LatencyProxy, prefix: str
-) -> None:
-    proxy.delay = 0.05
-    client = Redis.from_url(proxy.url, decode_responses=True)
-    try:
-        await client.ping()
-        cut = asyncio.create_task(round_trip(client, [("ECHO", "stale"), ("ECHO", "stale")]))
-        await asyncio.sleep(0.02)  # sent, its replies not yet read
-        cut.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await cut
-        proxy.delay = 0.0
-        assert await round_trip(client, [("ECHO", "fresh"), ("INCR", f"{prefix}:n")]) == [
-            "fresh",
-            1,
-        ]
-        replies = await round_trip(
-            client, [("SET", f"{prefix}:s", "x"), ("LPUSH", f"{prefix}:s", "y")]
-        )
-        assert replies[0] == "OK" and is_wrong_type(replies[1])  # the error in its place
-    finally:
-        await client.delete(f"{prefix}:n", f"{prefix}:s")
-        await client.aclose()

@@ -86,6 +86,7 @@ class _State:
     alive: set[str]
     process_lengths: dict[tuple[str, str], int]  # (queue, id) -> LLEN p:<id>
     held: dict[tuple[str, str], set[str]]  # (queue, worker) -> ids
+    blocking: dict[tuple[str, str], set[str]]  # (queue, worker) -> ids of blocking takes
     holders: dict[str, set[str]]  # queue -> workers
     work_lists: set[str]  # workers with a w:queues key
     queues_with_tasks: set[str]
@@ -122,6 +123,7 @@ async def _read(r: Client, keys: Keys) -> _State:
     good = [entry for entry in parsed if entry[0] not in bad]
     process_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "p"]
     held_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "held"]
+    blocking_keys = [(owner, rest) for _, kind, owner, rest in good if kind == "blocking"]
     holder_queues = [owner for _, kind, owner, _ in good if kind == "holders"]
     task_queues = {
         owner for _, kind, owner, _ in good if kind in ("tasks", "high", "low", "delayed")
@@ -139,6 +141,7 @@ async def _read(r: Client, keys: Keys) -> _State:
             ("PTTL", keys.supervision_lease),
             *(("LLEN", keys.process(queue, pid)) for queue, pid in process_keys),
             *(("SMEMBERS", keys.held(queue, worker_id)) for queue, worker_id in held_keys),
+            *(("SMEMBERS", keys.blocking(q, worker_id)) for q, worker_id in blocking_keys),
             *(("SMEMBERS", keys.holders(queue)) for queue in holder_queues),
         ],
     )
@@ -195,6 +198,11 @@ async def _read(r: Client, keys: Keys) -> _State:
         for key, reply in zip(held_keys, replies[at : at + len(held_keys)], strict=True)
     }
     at += len(held_keys)
+    blocking = {
+        key: set(members(reply))
+        for key, reply in zip(blocking_keys, replies[at : at + len(blocking_keys)], strict=True)
+    }
+    at += len(blocking_keys)
     holders = {
         queue: set(members(reply)) for queue, reply in zip(holder_queues, replies[at:], strict=True)
     }
@@ -202,6 +210,7 @@ async def _read(r: Client, keys: Keys) -> _State:
         workers
         | workers_seen
         | {w for _, w in held_keys}
+        | {w for _, w in blocking_keys}
         | {w for ws in holders.values() for w in ws}
     )
     ttls = await reads(r, [("PTTL", keys.heartbeat(worker_id)) for worker_id in everyone])
@@ -213,6 +222,7 @@ async def _read(r: Client, keys: Keys) -> _State:
         alive,
         lengths,
         held,
+        blocking,
         holders,
         work_lists,
         task_queues,
@@ -241,7 +251,8 @@ async def _second_look(
     r: Client, keys: Keys, candidates: list[tuple[str, str, str]]
 ) -> list[tuple[bool, bool]]:
     """For each (queue, worker, id): whether the id is recorded in the worker's held
-    set and whether its process list exists, a moment after the SCAN.
+    set (or, for a task a blocking take received, in its blocking set) and whether its
+    process list exists, a moment after the SCAN.
 
     One SCAN is not a snapshot: an empty dequeue records its id and withdraws it one
     round trip later, and a held set created while the SCAN ran can be missed. A
@@ -253,12 +264,13 @@ async def _second_look(
     commands: list[Command] = []
     for queue, worker_id, pid in candidates:
         commands.append(("SISMEMBER", keys.held(queue, worker_id), pid))
+        commands.append(("SISMEMBER", keys.blocking(queue, worker_id), pid))
         commands.append(("EXISTS", keys.process(queue, pid)))
     replies = await reads(r, commands)
-    # A held set of the wrong type says nothing: its ids count as recorded (no finding).
+    # A set of the wrong type says nothing: its ids count as recorded (no finding).
     return [
-        (is_wrong_type(recorded) or bool(recorded), bool(exists))
-        for recorded, exists in zip(replies[::2], replies[1::2], strict=True)
+        (any(is_wrong_type(flag) or bool(flag) for flag in (held, taking)), bool(exists))
+        for held, taking, exists in zip(replies[::3], replies[1::3], replies[2::3], strict=True)
     ]
 
 
@@ -267,6 +279,8 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
     state = await _read(r, keys)
     problems: list[Problem] = []
     recorded = {(queue, pid) for (queue, _), pids in state.held.items() for pid in pids}
+    # A blocking take's id has a list only once its block moved a task there.
+    recorded |= {(queue, pid) for (queue, _), pids in state.blocking.items() for pid in pids}
     orphans = [
         (queue, _owner(pid) or "", pid)
         for queue, pid in sorted(state.process_lengths)
@@ -312,7 +326,11 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
                     pid,
                 )
             )
-    dead_holders = {w for (_, w), pids in state.held.items() if pids and w not in state.alive}
+    dead_holders = {
+        w
+        for (_, w), pids in [*state.held.items(), *state.blocking.items()]
+        if pids and w not in state.alive
+    }
     for worker_id in sorted(dead_holders | (state.workers - state.alive)):
         problems.append(
             Problem(
@@ -323,7 +341,11 @@ async def inspect(r: Client, keys: Keys) -> list[Problem]:
         )
     for queue, workers in sorted(state.holders.items()):
         for worker_id in sorted(workers):
-            if worker_id not in state.alive and (queue, worker_id) not in state.held:
+            if (
+                worker_id not in state.alive
+                and (queue, worker_id) not in state.held
+                and (queue, worker_id) not in state.blocking
+            ):
                 problems.append(
                     Problem(
                         "stale-holder",
@@ -362,7 +384,10 @@ async def _in_process(r: Client, keys: Keys, queues: list[str]) -> set[tuple[str
     holders = await reads(r, [("SMEMBERS", keys.holders(q)) for q in queues])
     pairs = [(q, w) for q, reply in zip(queues, holders, strict=True) for w in members(reply)]
     held = await reads(r, [("SMEMBERS", keys.held(q, w)) for q, w in pairs])
-    pids = [(q, pid) for (q, _), reply in zip(pairs, held, strict=True) for pid in members(reply)]
+    held += await reads(r, [("SMEMBERS", keys.blocking(q, w)) for q, w in pairs])
+    pids = [
+        (q, pid) for (q, _), reply in zip(pairs * 2, held, strict=True) for pid in members(reply)
+    ]
     tasks = await reads(r, [("LINDEX", keys.process(q, pid), 0) for q, pid in pids])
     return {
         (q, text(task))

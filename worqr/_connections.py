@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import contextvars
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -45,7 +45,6 @@ from redis.exceptions import (
     MovedError,
     RedisClusterException,
     RedisError,
-    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -420,6 +419,21 @@ def client_without_retries(client: Client) -> Client:
     return Redis.from_pool(pool_without_retries(client, encoding_errors=SURROGATES))
 
 
+def blocking_client(client: Client) -> Redis | None:
+    """A client for blocking takes (`_ops_block`): connections like the client's that
+    never resend, one per idle consumer, however many (a blocked connection is taken
+    for up to a second, and consumers must not wait for each other's). None for a
+    Cluster, where blocking takes do not run. Close it with `close_client`."""
+    if isinstance(client, RedisCluster):
+        return None
+    pool = derived_pool(client, resend=False, encoding_errors=SURROGATES)
+    pool.max_connections = _UNBOUNDED
+    return Redis.from_pool(pool)
+
+
+_UNBOUNDED = 2**31
+
+
 def decoding_client(client: Client) -> Client:
     """The client worqr works through: ``client`` itself, unless it decodes replies
     strictly (redis-py's default); then a client of a pool like its own that decodes
@@ -520,42 +534,6 @@ async def pinned(client: Redis) -> AsyncIterator[Pinned]:
     connection = await pool.get_connection()
     try:
         yield Pinned(Redis(connection_pool=_OneConnection(connection, pool)), connection)  # type: ignore[arg-type]
-    finally:
-        with anyio.CancelScope(shield=True):
-            await pool.release(connection)
-
-
-async def round_trip(client: Redis, commands: Sequence[tuple[str | int | float, ...]]) -> list[Any]:
-    """Send ``commands`` in one write and read their replies in order, a command's
-    error in its place: a pipeline without redis-py's pipeline object, whose own
-    bookkeeping costs about as much as a round trip on a fast link. The replies are
-    raw (redis-py's reply callbacks do not run: ``SET`` gives ``OK``, ``HGETALL`` a
-    flat list), so it suits commands whose replies are counts or errors. Resent as
-    the client's retry policy says, as a pipeline is; a connection left with replies
-    unread (an error, a cancellation) is dropped, never given back to the pool."""
-    pool = client.connection_pool
-    connection = await pool.get_connection()
-
-    async def attempt() -> list[Any]:
-        await connection.send_packed_command(connection.pack_commands(commands))
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
-        return replies
-
-    async def dropped(error: Exception) -> None:
-        await connection.disconnect()
-
-    try:
-        replies: list[Any] = await connection.retry.call_with_retry(attempt, dropped)
-        return replies
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await connection.disconnect(nowait=True)
-        raise
     finally:
         with anyio.CancelScope(shield=True):
             await pool.release(connection)

@@ -26,6 +26,7 @@ _MAX_BACKOFF = 2.0
 _TAKE_LIMIT = 10.0
 _THROTTLE_NAP = 30.0
 _HAND_BACK_LIMIT = 10.0
+_PRETAKEN_WINDOW = 0.05  # seconds within which a blocking take's push is announced
 _HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
 _TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
 _REFUSED = "refused"  # the handler's result is not a str or None: failed, not tried again
@@ -49,6 +50,10 @@ class Host(Protocol):
     ) -> None: ...
 
     def _report_corrupt(self, keys: Sequence[str]) -> None: ...
+
+    def _can_block(self, queue: str) -> bool: ...
+
+    async def _block_take(self, queue: str) -> list[Process]: ...
 
     def _lease_lapsed(self) -> bool: ...
 
@@ -92,6 +97,11 @@ class Consumer:
         self._cancelled_meanwhile: set[str] = set()
         self._announced = 0  # tasks announced by ``work`` events since the last take
         self._backlog = False  # tasks may wait that the free slots could not take
+        self._blocker: asyncio.Task[None] | None = None  # the blocking take, while idle
+        self._blocked_cancels: set[str] = set()  # tasks cancelled while it waited
+        self._pretaken = 0  # tasks it took whose ``work`` event may still come
+        self._claimed = False  # a ``work`` event counted one task as the take's
+        self._pretaken_until = 0.0
         self.reason: str | None = None
 
     # -- signals (synchronous, called from event hooks and the facade) -----------------
@@ -99,16 +109,33 @@ class Consumer:
     def hook(self, kind: str, message: str) -> None:
         """React to an event on the queue."""
         if kind == "work":  # "work:N" announces N tasks; a bare "work:" asks for a look
-            self._announced += work_count(message)
+            count = work_count(message)
+            if count and self._pretaken and time.monotonic() <= self._pretaken_until:
+                absorbed = min(count, self._pretaken)  # the blocking take had them
+                self._pretaken -= absorbed
+                count -= absorbed
+                if not count:
+                    return
+            if count and self._blocker is not None and not self._claimed:
+                self._claimed = True  # the blocking take gets one of them
+                count -= 1
+                if not count:
+                    return
+            if not message:  # another level may hold them: a blocking take cannot see
+                self._unblock()
+            self._announced += count
             self._backlog = True
             self._wake.set()
         elif kind == "flow":  # paused, resumed or limited: look again, throttled or not
+            # (a blocking take reads the flow control as its block returns: it goes on)
             self._backlog = True
             self._look.set()
             self._wake.set()
         elif kind == "cancel":
             if self._dequeuing:  # the dequeue in flight may return it
                 self._cancelled_meanwhile.add(message)
+            if self._blocker is not None:  # and so may the blocking take
+                self._blocked_cancels.add(message)
             for process, _ in list(self._running.values()):
                 if process.stored == message:
                     self._end(process.id, "cancelled")
@@ -125,10 +152,16 @@ class Consumer:
     def _halt(self, outcome: str | None) -> None:
         """Stop taking work and, given an ``outcome``, end the running handlers with it."""
         self._taking = False
+        self._unblock()
         if outcome is not None:
             for pid in list(self._running):
                 self._end(pid, outcome)
         self._wake.set()
+
+    def _unblock(self) -> None:
+        """Stop the blocking take, if one waits (it gives its id up as it ends)."""
+        if self._blocker is not None:
+            self._blocker.cancel()
 
     def _end_now(self, pid: str, outcome: str) -> None:
         """Record why a handler that already returned ends otherwise (no cancel)."""
@@ -182,7 +215,7 @@ class Consumer:
         backoff = 0.05
         while self._taking:
             self._wake = anyio.Event()
-            free = self._concurrency - len(self._running)
+            free = self._concurrency - len(self._running) - (self._blocker is not None)
             try:
                 if free > 0 and await self._take_and_start(free):
                     continue  # every free slot was filled: more may wait
@@ -200,7 +233,10 @@ class Consumer:
                 backoff = min(backoff * 2, _MAX_BACKOFF)
                 continue
             if self._taking:
+                self._arm()
                 await self._wake.wait()
+        if self._blocker is not None:  # stopped by `_halt`: its end is awaited here
+            await asyncio.wait([self._blocker])
         await self._handlers_ended()
         # Handlers stopped for the caller's cancellation are still listed: hand their
         # processes back newest first, so that the oldest ends at the head of the queue.
@@ -210,6 +246,46 @@ class Consumer:
                 await self._host._settle(process, "requeue", None)
         if not self._running:
             self._idle.set()
+
+    def _arm(self) -> None:
+        """With a slot free and the queue found empty, wait for its next task in a
+        blocking take too (it holds that slot): Redis hands the task over as it is
+        pushed, without the round trip after a ``work`` event."""
+        if (
+            self._blocker is None
+            and len(self._running) < self._concurrency
+            and self._host._can_block(self.queue)
+        ):
+            self._blocked_cancels, self._claimed = set(), False
+            self._blocker = asyncio.get_running_loop().create_task(self._block())
+
+    async def _block(self) -> None:
+        """The blocking take, then its task's handler; wakes the loop either way."""
+        taken: list[Process] = []
+        try:
+            taken = await self._host._block_take(self.queue)
+        except asyncio.CancelledError:
+            return  # `_unblock`: the take gave its id up
+        except Exception as exc:  # its own failures are handled inside: not expected
+            self._log.warning("blocking take failed: %s", exc, extra={"queue": self.queue})
+            return
+        finally:
+            self._blocker = None
+            if not taken:  # none came, or the queue changed: the loop looks and re-arms
+                self._wake.set()
+        if not taken:
+            return
+        # Its push's ``work`` event counted it already, or may still come.
+        if self._claimed:
+            self._claimed = False
+        else:
+            self._pretaken += len(taken)
+            self._pretaken_until = time.monotonic() + _PRETAKEN_WINDOW
+        await self._start_taken(taken, self._blocked_cancels)
+        if self._announced:
+            self._wake.set()  # more were announced than it took: the loop takes them
+        elif self._taking:
+            self._arm()  # wait for the next one the same way
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep while throttled, waking early only to stop or for a ``flow:`` event
@@ -251,22 +327,23 @@ class Consumer:
                 taken = await self._host._take(
                     self.queue, count, announced=bool(announced), policy=self._policy
                 )
-                await self._start_taken(taken)
+                await self._start_taken(taken, self._cancelled_meanwhile)
                 self._backlog = len(taken) == free
                 return self._backlog
             return False
         finally:
             self._dequeuing = False
 
-    async def _start_taken(self, taken: list[Process]) -> None:
+    async def _start_taken(self, taken: list[Process], cancelled: set[str]) -> None:
         """Start a handler per process, unless the consumer stopped (hand them back,
-        newest first) or the task was cancelled while the dequeue ran (finish it)."""
+        newest first) or the task was cancelled while the dequeue ran (in
+        ``cancelled``: finish it)."""
         for position, process in enumerate(taken):
             if not self._taking:
                 for late in reversed(taken[position:]):
                     await self._host._settle(late, "requeue", None)
                 return
-            if process.stored in self._cancelled_meanwhile:
+            if process.stored in cancelled:
                 await self._host._settle(process, "cancelled", None)
                 continue
             self._start(process)

@@ -95,6 +95,12 @@ class Keys:
         """SET of the process ids a worker holds in this queue."""
         return f"{self.prefix}:q:{{{queue}}}:held:{worker_id}"
 
+    def blocking(self, queue: str, worker_id: str) -> str:
+        """SET of the ids a worker registered for its blocking takes in this queue
+        (see `_ops_block`): a task Redis moves into such an id's list is that worker's
+        process, the id moved to ``held`` as the worker receives it."""
+        return f"{self.prefix}:q:{{{queue}}}:blocking:{worker_id}"
+
     def process(self, queue: str, process_id: str) -> str:
         """LIST holding the one task of an in-process process."""
         return f"{self.prefix}:q:{{{queue}}}:p:{process_id}"
@@ -199,10 +205,11 @@ class Keys:
         """``(kind, owner, rest)`` of a per-queue or per-worker key, None for others.
 
         kind is the key's last word (``tasks``, ``high``, ``low``, ``failed``,
-        ``unique``, ``deaths``, ``holders``, ``held``, ``p``, ``j``, ``jobs``,
+        ``unique``, ``deaths``, ``holders``, ``held``, ``blocking``, ``p``, ``j``, ``jobs``,
         ``delayed``, ``deadlines``, ``after``, ``released``,
         ``flow``, ``starts``, ``schedules``, ``s``, ``alive``, ``queues``); owner is the
-        queue or the worker in the hash tag; rest is the worker of ``held``, the id of
+        queue or the worker in the hash tag; rest is the worker of ``held`` and of
+        ``blocking``, the id of
         ``p``, the job id of ``j`` and of ``after`` or the schedule name of ``s``.
         """
         for scope, kinds in (("q", _QUEUE_KEYS), ("w", _WORKER_KEYS)):
@@ -213,7 +220,9 @@ class Keys:
             if not closed:
                 return None
             kind, _, rest = tail.partition(":")
-            if kind in kinds and (bool(rest) == (kind in ("held", "p", "j", "after", "s"))):
+            if kind in kinds and (
+                bool(rest) == (kind in ("held", "blocking", "p", "j", "after", "s"))
+            ):
                 return kind, owner, rest
         return None
 
@@ -227,6 +236,7 @@ TYPES = {
     "deaths": "hash",
     "holders": "set",
     "held": "set",
+    "blocking": "set",
     "p": "list",
     "j": "hash",
     "jobs": "zset",
@@ -253,6 +263,7 @@ _QUEUE_KEYS = frozenset(
         "deaths",
         "holders",
         "held",
+        "blocking",
         "p",
         "j",
         "jobs",

@@ -27,7 +27,7 @@ from redis.exceptions import MaxConnectionsError, RedisError, ResponseError, Wat
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._connections import Client as Client
-from ._connections import Pinned, on_slot, pinned, round_trip
+from ._connections import Pinned, on_slot, pinned
 from ._deps import dependencies_of
 from ._envelope import Envelope, Header, unwrap, wrap
 from ._errors import (
@@ -48,6 +48,7 @@ from ._keys import Keys
 from ._levels import LEVELS, Picker
 from ._models import FailedTask, Process, WorkerInfo, readable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
+from ._wire import Watching, Wire, exchange, round_trip, transaction, watching
 
 _T = TypeVar("_T")
 _MAX_ATTEMPTS = 100
@@ -123,14 +124,7 @@ async def _beside(pipe: Pipeline, commands: Sequence[Command]) -> list[Any]:
     connection = pipe.connection
     if connection is None:
         raise RuntimeError("_beside needs a pipeline that has sent its WATCH")
-    await connection.send_packed_command(connection.pack_commands(commands))
-    replies: list[Any] = []
-    for _ in commands:  # every reply is read, so the connection stays in step
-        try:
-            replies.append(await connection.read_response())
-        except ResponseError as exc:
-            replies.append(exc)
-    return _unless_wrong(replies)
+    return _unless_wrong(await exchange(connection, commands))
 
 
 async def read(client: Client | Pipeline, *command: str | int | float) -> Any:
@@ -293,10 +287,7 @@ def _transaction(commands: Sequence[Command]) -> Callable[[Redis], Awaitable[lis
     """What `on_slot` runs for one MULTI/EXEC of ``commands``: their replies."""
 
     async def run(node: Redis) -> list[Any]:
-        async with node.pipeline(transaction=True) as pipe:
-            for command in commands:
-                pipe.execute_command(*command)
-            return _unless_wrong(await pipe.execute(raise_on_error=False))
+        return _unless_wrong(await transaction(node, commands))
 
     return run
 
@@ -582,10 +573,11 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
     The registry entry goes after the data, and comes back if the queue's next life
     began meanwhile (tasks pushed, or a process taken from them): `enqueue` registers
     after its push, so a queue with tasks or processes is never left unregistered.
-    Keys: holders, held:<w>..., p:<id>..., high, tasks, low, failed, unique, deaths, delayed,
-    deadlines, released, jobs, j:<id>..., after:<id>...; queues.
+    Keys: holders, held:<w>..., blocking:<w>..., p:<id>..., high, tasks, low, failed,
+    unique, deaths, delayed, deadlines, released, jobs, j:<id>..., after:<id>...; queues.
       0. SISMEMBER queues queue                                 -> known
       1. SMEMBERS holders;  ZRANGE jobs 0 -1;  SMEMBERS held:<w> (per holder) -> ids
+         SMEMBERS blocking:<w> (per holder)     -> their p:<id> are swept too
       2. MULTI
       3. DEL high tasks low failed unique deaths delayed deadlines released j:<job>...
              after:<job>... p:<id>...
@@ -629,17 +621,24 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
         if is_wrong_type(found[0]):  # it names nobody: any listed worker may hold some
             holders = members((await reads(r, [("SMEMBERS", keys.workers)]))[0])
         commands: list[Command] = [("SMEMBERS", keys.held(queue, w)) for w in holders]
+        takes: list[Command] = [("SMEMBERS", keys.blocking(queue, w)) for w in holders]
         held = await reads(r, commands)
+        blocked = await reads(r, takes)
         wrong = wrong_keys([("SMEMBERS", keys.holders(queue))], found)
-        wrong += wrong_keys(commands, held)
+        wrong += wrong_keys(commands, held) + wrong_keys(takes, blocked)
+        # A blocking take's list (a task its block moved, not yet held) goes like a
+        # process; its id stays: the take withdraws it (see `_ops_block`).
+        taken.clear()
+        taken.extend(keys.process(queue, pid) for reply in blocked for pid in members(reply))
         return holders, [members(reply) for reply in held], wrong + jobs
 
     ids: list[str] = []  # the job ids the last read found in the index
+    taken: list[str] = []  # the lists of the blocking takes the last read found
     (known,) = await reads(r, [("SISMEMBER", keys.queues, queue)])
     holders, held, wrong = await read()
     for attempt in range(_DELETE_PASSES):
         processes = [keys.process(queue, pid) for pids in held for pid in pids]
-        sweep: list[Command] = [("DEL", *doomed, *wrong, *processes)]
+        sweep: list[Command] = [("DEL", *doomed, *wrong, *processes, *taken)]
         if ids:  # by id, not the whole index: a job submitted meanwhile stays indexed,
             sweep.append(("ZREM", keys.jobs(queue), *ids))  # so the next read finds it
         sweep += [
@@ -1902,18 +1901,39 @@ def _end_job(
     attempts: int | None = None,
     waiters: Sequence[str] | None = None,
 ) -> None:
-    """Queue the writes that record a job's outcome (done, or failed with ``error``)
-    and let it expire after its result TTL. A job that others wait for (see `waited`)
-    hands ``waiters`` (the members of its ``after`` set, read under WATCH) to the
-    next release, and keeps its outcome for them at least `WAITED_KEEP_MS`; the
-    caller made sure that ``released`` and ``after:<id>`` are sets or absent
+    """Queue the writes of `job_end` on ``pipe``, its index entry with them."""
+    writes, (score, job_id) = job_end(
+        keys, queue, header, now_ms, result=result, error=error, attempts=attempts, waiters=waiters
+    )
+    for command in writes:
+        pipe.execute_command(*command)
+    pipe.execute_command("ZADD", keys.jobs(queue), score, job_id)
+
+
+def job_end(
+    keys: Keys,
+    queue: str,
+    header: Header,
+    now_ms: int,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+    waiters: Sequence[str] | None = None,
+) -> tuple[list[Command], tuple[int, str]]:
+    """The writes that record a job's outcome (done, or failed with ``error``) and let
+    it expire after its result TTL, and its entry in the job index (score, id: the
+    caller adds it, several ends' in one ZADD). A job that others wait for (see
+    `waited`) hands ``waiters`` (the members of its ``after`` set, read under WATCH)
+    to the next release, and keeps its outcome for them at least `WAITED_KEEP_MS`;
+    the caller made sure that ``released`` and ``after:<id>`` are sets or absent
     (`waited_keys`).
 
       HSET j:<id> state done|failed attempts <n> finished <now> [result <r>] [error <e>]
       HDEL j:<id> env due after
       PEXPIRE j:<id> <ttl>
-      ZADD jobs <now + ttl> <id>
       (waited) SADD released <waiter>...;  DEL after:<id>;  PUBLISH events released:
+      and the entry: ZADD jobs <now + ttl> <id>
     (and, once per transaction, `_trim_jobs`)
     """
     record = keys.job(queue, header.id)
@@ -1931,15 +1951,17 @@ def _end_job(
         fields += ["error", error]
     waited = waiters is not None
     ttl = max(header.result_ttl_ms, WAITED_KEEP_MS) if waited else header.result_ttl_ms
-    pipe.execute_command("HSET", record, *fields)
-    pipe.execute_command("HDEL", record, "env", "due", "after")
-    pipe.execute_command("PEXPIRE", record, ttl)
-    pipe.execute_command("ZADD", keys.jobs(queue), now_ms + ttl, header.id)
+    writes: list[Command] = [
+        ("HSET", record, *fields),
+        ("HDEL", record, "env", "due", "after"),
+        ("PEXPIRE", record, ttl),
+    ]
     if waiters is not None:
-        pipe.execute_command("DEL", keys.after(queue, header.id))
+        writes.append(("DEL", keys.after(queue, header.id)))
         if waiters:
-            pipe.execute_command("SADD", keys.released(queue), *waiters)
-            pipe.execute_command("PUBLISH", keys.events(queue), event(RELEASED_EVENT))
+            writes.append(("SADD", keys.released(queue), *waiters))
+            writes.append(("PUBLISH", keys.events(queue), event(RELEASED_EVENT)))
+    return writes, (now_ms + ttl, header.id)
 
 
 WAITED_KEEP_MS = 3_600_000
@@ -1992,7 +2014,12 @@ def _trim_jobs(pipe: Pipeline, keys: Keys, queue: str, now_ms: int) -> None:
 
       ZREMRANGEBYSCORE jobs -inf (<now>
     """
-    pipe.execute_command("ZREMRANGEBYSCORE", keys.jobs(queue), "-inf", f"({now_ms}")
+    pipe.execute_command(*trim_jobs(keys, queue, now_ms))
+
+
+def trim_jobs(keys: Keys, queue: str, now_ms: int) -> Command:
+    """The trim of the job index, as a command (see `_trim_jobs`)."""
+    return ("ZREMRANGEBYSCORE", keys.jobs(queue), "-inf", f"({now_ms}")
 
 
 def failed_record(
@@ -2078,24 +2105,27 @@ async def finish_many(
     p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
     LINDEX of `finish`.
       1. WATCH p:<id1> ... p:<idk> j:<job>... after:<job>...  (the jobs among them)
-      2. EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
+         with it, in the same round trip (covered by it):
+         EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
                                              (one round trip), and back to 1 with the
                                              ones that exist (the others: False)
-         HMGET j:<job> state env waited ...;  SMEMBERS after:<job> ...  (watched too;
-                                             with 2, on the same connection: a job
-                                             that ended meanwhile, cancelled, keeps its
-                                             outcome: no writes of step 9 for it)
-         TYPE released;  TYPE after:<job> ...  (with 2: a waited job's end writes
-                                             them)  -> not sets: UNWATCH, raise
+         HMGET j:<job> state env waited ...  -> a job that ended meanwhile (cancelled)
+                                             keeps its outcome: no writes of step 9 for
+                                             it; one that others wait for: step 2
+      2. (waited jobs only) TYPE released;  SMEMBERS after:<job> ...  -> the jobs to
+                                             hand on; not sets: UNWATCH, raise
       3. MULTI
       4. DEL p:<id1> ... p:<idk>
       5. SREM held:<w> <id>...
       6. SREM unique <task>...            (plain tasks)
       7. HDEL deaths <field>...
       8. ZREM deadlines <id>...           (jobs with a timeout)
-      9. the writes of `_end_job` per job
+      9. the writes of `job_end` per job;  ZADD jobs <expiry> <job> ... (one for all);
+         ZREMRANGEBYSCORE jobs -inf (<now>
      10. PUBLISH done done:[{...}, ...]   (a record per process; a message per MB)
      11. EXEC                             -> nil: back to 1
+    A job that nothing waits for costs four commands (HMGET, HSET, HDEL, PEXPIRE) and
+    a few arguments: the drain of jobs stays close to that of plain tasks.
     """
     now = local_ms(now_ms)
     refs = [split_process_id(process.id) for process, _ in done]
@@ -2104,111 +2134,141 @@ async def finish_many(
     outcome = [False] * len(done)
     remaining = list(range(len(done)))
     while remaining:  # each pass ends them all, or finds at least one gone for good
+        ending = [done[i] for i in remaining]
         procs = [keys.process(queue, refs[i].id) for i in remaining]
-        job_ids = [done[i][0].job_id for i in remaining]
-        records_of = [keys.job(queue, job_id) for job_id in job_ids if job_id is not None]
-        afters_of = [keys.after(queue, job_id) for job_id in job_ids if job_id is not None]
+        batch = _Batch(keys, worker_id, queue, ending, procs, [refs[i].id for i in remaining])
 
-        async def body(
-            pipe: Pipeline,
-            at: list[int] = remaining,
-            procs: list[str] = procs,
-            records_of: list[str] = records_of,
-            afters_of: list[str] = afters_of,
-        ) -> bool:
-            # The records are watched too: read with the EXISTS, after the WATCH, a
-            # cancel landing after the read aborts EXEC.
-            looks: list[Command] = [("HMGET", record, *LOOK) for record in records_of]
-            looks += [("SMEMBERS", after) for after in afters_of]
-            typed = list(
-                dict.fromkeys(
-                    key
-                    for i in at
-                    if (job_id := done[i][0].job_id) is not None
-                    for key, _ in waited_keys(keys, queue, job_id)
-                )
-            )
-            exists, *replies = await _beside(
-                pipe, [("EXISTS", *procs), *looks, *(("TYPE", key) for key in typed)]
-            )
-            if exists != len(procs):
-                await pipe.reset()
-                return False
-            states = replies[: len(records_of)]
-            afters = replies[len(records_of) : len(looks)]
-            types = dict(zip(typed, (text(t) for t in replies[len(looks) :]), strict=True))
-            waits = {
-                record: found
-                for record, reply, after in zip(records_of, states, afters, strict=True)
-                if (found := waiters_of(reply, after)) is not None
-            }
-            stored_of = {
-                keys.job(queue, p.job_id): p.stored for p, _ in done if p.job_id is not None
-            }
-            ended = {
-                record
-                for record, reply in zip(records_of, states, strict=True)
-                if _says_ended(reply, stored_of[record])
-            }
-            ending = [done[i] for i in at]
-            for p, _ in ending:  # a failing write of a waited end would lose its waiters
-                if p.job_id is not None and keys.job(queue, p.job_id) in waits.keys() - ended:
-                    for key, kind in waited_keys(keys, queue, p.job_id):
-                        if types[key] not in (kind, "none"):
-                            await pipe.reset()
-                            raise _corrupt(key, types[key])
-            plain = [stored(p.task) for p, _ in ending if p.envelope is None]
-            timed = [p.id for p, _ in ending if p.envelope and p.envelope.header.timeout]
-            pipe.multi()
-            pipe.execute_command("DEL", *procs)
-            pipe.execute_command("SREM", keys.held(queue, worker_id), *(refs[i].id for i in at))
-            if plain:
-                pipe.execute_command("SREM", keys.unique(queue), *plain)
-            fields = {
-                digest(p.task) if p.envelope is None else f"job:{p.job_id}" for p, _ in ending
-            }
-            pipe.execute_command("HDEL", keys.deaths(queue), *fields)
-            if timed:
-                pipe.execute_command("ZREM", keys.deadlines(queue), *timed)
-            records = []
-            for process, result in ending:
-                if process.envelope is None:
-                    records.append(done_record(process.id, worker_id, process.task, result))
-                    continue
-                header = process.envelope.header
-                if keys.job(queue, header.id) in ended:
-                    continue  # cancelled while it ran: its outcome stays
-                record = keys.job(queue, header.id)
-                _end_job(pipe, keys, queue, header, now, result=result, waiters=waits.get(record))
-                records.append(
-                    done_record(
-                        process.id,
-                        worker_id,
-                        process.task,
-                        result,
-                        job_id=header.id,
-                        attempts=header.attempt,
-                    )
-                )
-            if records_of:
-                _trim_jobs(pipe, keys, queue, now)
-            for message in done_messages(records):
-                pipe.execute_command("PUBLISH", keys.done(queue), message)
-            return True
+        async def run(node: Redis, batch: _Batch = batch) -> bool:
+            return await batch.end(node, now)
 
-        whole, _ = await _optimistic(r, [*procs, *records_of, *afters_of], body)
-        if whole:
+        if await on_slot(r, procs[0], run):
             for i in remaining:
                 outcome[i] = True
             return outcome
         # Some process is gone (reclaimed, stopped, its queue deleted): ids are never
         # reused, so a gone one stays gone; finish the others together.
-        async with r.pipeline(transaction=False) as pipe:
-            for proc in procs:
-                pipe.execute_command("EXISTS", proc)
-            present = await pipe.execute()
+        present = await reads(r, [("EXISTS", proc) for proc in procs])
         remaining = [i for i, flag in zip(remaining, present, strict=True) if flag]
     return outcome
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The processes one `finish_many` pass ends, with their keys."""
+
+    keys: Keys
+    worker_id: str
+    queue: str
+    ending: Sequence[tuple[Process, str | None]]
+    procs: Sequence[str]
+    ids: Sequence[str]
+
+    async def end(self, node: Redis, now: int) -> bool:
+        """Steps 1-11 on ``node``: True when every process was ended, False (nothing
+        written) when one was gone. A lost reply to the first look is resent as the
+        client's policy says (nothing was written); a lost EXEC reply is an unknown
+        outcome."""
+        keys, queue = self.keys, self.queue
+        jobs = [p for p, _ in self.ending if p.job_id is not None]
+        records = [keys.job(queue, p.job_id) for p in jobs if p.job_id is not None]
+        afters = [keys.after(queue, p.job_id) for p in jobs if p.job_id is not None]
+        looks: list[Wire] = [("EXISTS", *self.procs), *(("HMGET", rec, *LOOK) for rec in records)]
+        async with watching(node) as session:
+            for _ in range(_MAX_ATTEMPTS):
+                exists, *states = _unless_wrong(
+                    await session.look([*self.procs, *records, *afters], looks)
+                )
+                if exists != len(self.procs):
+                    return False
+                ended = {
+                    p.job_id
+                    for p, look in zip(jobs, states, strict=True)
+                    if _says_ended(look, p.stored)
+                }
+                waited_ids = [
+                    p.job_id
+                    for p, look in zip(jobs, states, strict=True)
+                    if p.job_id is not None and p.job_id not in ended and waited(look)
+                ]
+                waits = await _waiters_of(session, keys, queue, waited_ids)
+                try:
+                    replies = await session.commit(self._writes(now, ended, waits))
+                except MaxConnectionsError:
+                    raise
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    raise _unknown_outcome() from exc
+                if replies is not None:
+                    _unless_wrong(replies)
+                    return True
+        raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {self.procs[0]}")
+
+    def _writes(self, now: int, ended: set[str | None], waits: dict[str, list[str]]) -> list[Wire]:
+        """Steps 4-10: the writes of the transaction."""
+        keys, queue, worker_id = self.keys, self.queue, self.worker_id
+        ending = self.ending
+        writes: list[Wire] = [
+            ("DEL", *self.procs),
+            ("SREM", keys.held(queue, worker_id), *self.ids),
+        ]
+        plain = [stored(p.task) for p, _ in ending if p.envelope is None]
+        if plain:
+            writes.append(("SREM", keys.unique(queue), *plain))
+        fields = {digest(p.task) if p.envelope is None else f"job:{p.job_id}" for p, _ in ending}
+        writes.append(("HDEL", keys.deaths(queue), *fields))
+        timed = [p.id for p, _ in ending if p.envelope and p.envelope.header.timeout]
+        if timed:
+            writes.append(("ZREM", keys.deadlines(queue), *timed))
+        records: list[str] = []
+        index: list[str | int] = []
+        for process, result in ending:
+            if process.envelope is None:
+                records.append(done_record(process.id, worker_id, process.task, result))
+                continue
+            header = process.envelope.header
+            if header.id in ended:
+                continue  # cancelled while it ran: its outcome stays
+            job_writes, (expiry, job_id) = job_end(
+                keys, queue, header, now, result=result, waiters=waits.get(header.id)
+            )
+            writes += job_writes
+            index += [expiry, job_id]
+            records.append(
+                done_record(
+                    process.id,
+                    worker_id,
+                    process.task,
+                    result,
+                    job_id=header.id,
+                    attempts=header.attempt,
+                )
+            )
+        if index:
+            writes.append(("ZADD", keys.jobs(queue), *index))
+        if any(p.envelope is not None for p, _ in ending):
+            writes.append(trim_jobs(keys, queue, now))
+        writes += [("PUBLISH", keys.done(queue), message) for message in done_messages(records)]
+        return writes
+
+
+async def _waiters_of(
+    session: Watching, keys: Keys, queue: str, job_ids: Sequence[str]
+) -> dict[str, list[str]]:
+    """Step 2 of `finish_many`: for jobs that others wait for, the members of their
+    ``after`` sets (watched since step 1), once the keys their ends write are found to
+    be sets or absent (a failing write inside MULTI would lose the waiting jobs)."""
+    if not job_ids:
+        return {}
+    released = keys.released(queue)
+    afters = [keys.after(queue, job_id) for job_id in job_ids]
+    kind, *sets = await session.look([], [("TYPE", released), *(("SMEMBERS", a) for a in afters)])
+    if text(kind) not in ("set", "none"):
+        raise _corrupt(released, text(kind))
+    for after, found in zip(afters, sets, strict=True):
+        if isinstance(found, Exception):
+            if is_wrong_type(found):
+                raise _corrupt(after)
+            raise found
+    return {job_id: members(found) for job_id, found in zip(job_ids, sets, strict=True)}
 
 
 @redis_boundary
@@ -2399,6 +2459,10 @@ async def _stop_job(once: Client, keys: Keys, ref: ProcessRef, job_id: str | Non
     return None if task is None else text(task)
 
 
+class Alive(Exception):
+    """A worker taken for dead has a heartbeat again (see `reclaim`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Reclaimed:
     """What a reclaim did with a worker's processes in one queue."""
@@ -2418,8 +2482,17 @@ async def reclaim(
     *,
     quarantine_after: int | None = None,
     now_ms: int | None = None,
+    unless_alive: bool = False,
 ) -> Reclaimed:
     """Return every process a worker holds in a queue to the FRONT, oldest first.
+
+    With ``unless_alive`` (a peer failing a worker it found dead), the worker's
+    heartbeat is WATCHed and read with its held set, and nothing is done (`Alive`
+    raised) if it exists: a worker's blocking take (`_ops_block`) refreshes its
+    heartbeat as it registers its process id, so a reclaim that began before that
+    must not remove the id while the block may still move a task into its list.
+    On a Cluster the heartbeat lives on another slot: no blocking takes run there,
+    and the caller's check of the heartbeat is enough.
 
     WATCH is needed: a process dequeued, finished or reclaimed by a racing peer
     between the read and EXEC aborts the transaction, so no task is duplicated or
@@ -2430,9 +2503,14 @@ async def reclaim(
     a poison pill cannot crash-loop the fleet. Counts are per task string (its SHA-1),
     per job id for a job (see `death_field`): a death is not an attempt, so a job goes
     back with its envelope unchanged; a quarantined job's outcome is recorded failed.
-    Keys: held:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET), deadlines
-    (ZSET); with quarantine also deaths (HASH), failed (LIST), unique (SET), j:<id>.
-      1. WATCH held:<w>;  SMEMBERS held:<w>     -> ids, sorted newest first
+    The ids of the worker's blocking takes (``blocking:<w>``, see `_ops_block`) are
+    reclaimed with its processes: a task a block moved into one's list goes back too.
+    Keys: held:<w>, blocking:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET),
+    deadlines (ZSET); with quarantine also deaths (HASH), failed (LIST), unique (SET),
+    j:<id>.
+      1. WATCH held:<w> blocking:<w> [alive];  (unless_alive) EXISTS alive
+                                              -> 1: UNWATCH, raise Alive
+         SMEMBERS held:<w>;  SMEMBERS blocking:<w>   -> ids, sorted newest first
          TYPE tasks;  (quarantine) TYPE failed -> not lists: UNWATCH, raise (nothing moved)
       2. LINDEX p:<id> 0 ...;  (quarantine) HMGET deaths <sha1>...   (one round trip each)
          (jobs) WATCH j:<job>... after:<job>...;  HMGET j:<job> state env waited ...;
@@ -2448,16 +2526,26 @@ async def reclaim(
            DEL p:<id>;  RPUSH failed <record>;  HDEL deaths <sha1>;  SREM unique task
            (a job: instead of the SREM, the writes of `_end_job` and PUBLISH done)
          ZREM deadlines <id>...
-      5. DEL held:<w>
+      5. DEL held:<w> blocking:<w>
       6. SREM holders <w>
       7. PUBLISH events work:<returned>         (if any returned)
       8. EXEC                                   -> nil: back to 1
     """
-    held = keys.held(queue, worker_id)
+    held, blocking = keys.held(queue, worker_id), keys.blocking(queue, worker_id)
     now = local_ms(now_ms)
 
+    alive = keys.heartbeat(worker_id) if unless_alive and isinstance(r, Redis) else None
+
     async def body(pipe: Pipeline) -> list[tuple[str, str | None, int]]:
-        ids = sorted(members(await read(pipe, "SMEMBERS", held)), key=_token, reverse=True)
+        if alive is not None and await read(pipe, "EXISTS", alive):
+            await pipe.reset()
+            raise Alive(worker_id)
+        recorded, waiting = await _beside(pipe, [("SMEMBERS", held), ("SMEMBERS", blocking)])
+        for key, reply in ((held, recorded), (blocking, waiting)):
+            if is_wrong_type(reply):
+                await pipe.reset()
+                raise _corrupt(key)
+        ids = sorted({*members(recorded), *members(waiting)}, key=_token, reverse=True)
         if ids:  # the LMOVEs must not fail inside MULTI, nor the quarantine's RPUSH
             for level in sorted({split_process_id(pid).level for pid in ids}):
                 await _require(pipe, keys.level(queue, level), "list")
@@ -2527,14 +2615,15 @@ async def reclaim(
             pipe.execute_command("ZREM", keys.deadlines(queue), *ids)
         if any(kind == "quarantined" and task and envelope_of(task) for kind, task, _ in plan):
             _trim_jobs(pipe, keys, queue, now)
-        pipe.execute_command("DEL", held)
+        pipe.execute_command("DEL", held, blocking)
         pipe.execute_command("SREM", keys.holders(queue), worker_id)
         back = sum(kind == "returned" for kind, _, _ in plan)
         if back:
             pipe.execute_command(*announce(keys, queue, "high" if leveled else "normal", back))
         return plan
 
-    plan, replies = await _optimistic(r, [held], body)
+    watched = [held, blocking] if alive is None else [held, blocking, alive]
+    plan, replies = await _optimistic(r, watched, body)
     returned: list[str] = []
     quarantined: list[str] = []
     position = 0
@@ -2812,7 +2901,10 @@ async def fail_worker(
 ) -> FailedWorker | None:
     """Return all of a worker's processes to the front of their queues and deregister it.
 
-    With ``only_if_dead`` nothing happens (None) while the worker's heartbeat exists.
+    With ``only_if_dead`` nothing happens (None) while the worker's heartbeat exists,
+    checked again by each reclaim (see `reclaim`): a queue reclaimed before the worker
+    came back stays reclaimed, and the worker, whose leases lapsed, hands back and
+    registers anew.
     ``quarantine_after`` is passed to `reclaim` when the worker died (not when it is
     failed on purpose). Each step is idempotent and the registry entry goes last, so a
     peer that crashes midway leaves the worker listed for the next cleanup to finish.
@@ -2835,8 +2927,16 @@ async def fail_worker(
     for queue in sorted(queues):
         try:
             reclaimed[queue] = await reclaim(
-                r, keys, queue, worker_id, quarantine_after=quarantine_after, now_ms=now_ms
+                r,
+                keys,
+                queue,
+                worker_id,
+                quarantine_after=quarantine_after,
+                now_ms=now_ms,
+                unless_alive=only_if_dead,
             )
+        except Alive:  # it came back (a blocking take refreshed its heartbeat)
+            return None
         except CorruptDataError as exc:
             corrupt.append(exc.key or f"a key of queue {queue!r}")
             skipped = True
@@ -3161,22 +3261,22 @@ async def _move_back(
     return count
 
 
-async def _unless_exists(r: Client, key: str, command: Command) -> bool:
-    """Run ``command`` in a transaction only while ``key`` does not exist (the repairs
-    that forget bookkeeping of something gone); whether it ran.
+async def _unless_exists(r: Client, key: str, command: Command, *also: str) -> bool:
+    """Run ``command`` in a transaction only while ``key`` (and each of ``also``) does
+    not exist (the repairs that forget bookkeeping of something gone); whether it ran.
 
-    1. WATCH key;  EXISTS key                   -> 1: UNWATCH, keep it
+    1. WATCH key...;  EXISTS key...             -> any: UNWATCH, keep it
     2. MULTI;  <command>;  EXEC
     """
 
     async def body(pipe: Pipeline) -> bool:
-        if await call(pipe, "EXISTS", key):
+        if await call(pipe, "EXISTS", key, *also):
             return False
         pipe.multi()
         pipe.execute_command(*command)
         return True
 
-    ran, _ = await _optimistic(r, [key], body)
+    ran, _ = await _optimistic(r, [key, *also], body)
     return ran
 
 
@@ -3194,13 +3294,17 @@ async def drop_process_id(r: Client, keys: Keys, queue: str, worker_id: str, pid
 
 @redis_boundary
 async def drop_holder(r: Client, keys: Keys, queue: str, worker_id: str) -> bool:
-    """Forget a worker as holder of a queue where it holds nothing.
+    """Forget a worker as holder of a queue where it holds nothing (no process, no
+    blocking take).
 
-    1. WATCH held:<w>;  EXISTS held:<w>         -> 1: UNWATCH, keep it
+    1. WATCH held:<w> blocking:<w>;  EXISTS held:<w> blocking:<w>   -> any: keep it
     2. MULTI;  SREM holders <w>;  EXEC
     """
     return await _unless_exists(
-        r, keys.held(queue, worker_id), ("SREM", keys.holders(queue), worker_id)
+        r,
+        keys.held(queue, worker_id),
+        ("SREM", keys.holders(queue), worker_id),
+        keys.blocking(queue, worker_id),
     )
 
 

@@ -17,13 +17,21 @@ from typing import Any
 import anyio
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
 from typing_extensions import Self
 
-from . import _ops, _ops_deps, _ops_flow, _ops_schedules
+from . import _ops, _ops_block, _ops_deps, _ops_flow, _ops_schedules
 from ._batch import GroupCommit
 from ._check import CheckReport, Problem, inspect
 from ._clock import ServerClock
-from ._connections import Client, client_without_retries, close_client, decoding_client, strict
+from ._connections import (
+    Client,
+    blocking_client,
+    client_without_retries,
+    close_client,
+    decoding_client,
+    strict,
+)
 from ._consumer import Consumer, Handler
 from ._delayed import Promoter
 from ._deps import check_after
@@ -42,7 +50,7 @@ from ._errors import (
     redis_boundary,
 )
 from ._events import Events, Subscribed
-from ._flow import Paused, RateLimit, Throttled, check_rate_limit
+from ._flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
 from ._handlers import check_handler
 from ._jobs import Backoff, Job, JobInfo, JobStatus
 from ._jobs import Options as JobOptions
@@ -82,6 +90,15 @@ _REPORT_EVERY = 60.0  # seconds between two warnings about the same corrupt key
 _FINISH_BATCH = 256  # processes finished in one transaction at most
 _ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
+_BLOCK_SECONDS = 1.5
+"""How long one blocking take waits for a task (at most half of ``worker_timeout``):
+an idle consumer re-arms it this often (see `_ops_block`)."""
+_BLOCK_ARM_LIMIT = 10.0  # seconds the transaction that begins a block may take
+_BLOCK_MARGIN = 0.5  # seconds beyond a block's end before its id is given up
+_BLOCK_REST = 5.0  # seconds without blocking takes of a queue after one failed
+_UNKNOWN_ARM_WAIT = 60.0
+"""Seconds before the id of a blocking take whose beginning was never confirmed (its
+transaction's reply lost) is given up: the write may still be on its way."""
 _LEAVE_PAUSES = (0.1, 0.3, 1.0, 2.0, None)  # between tries of the shutdown's fail_worker
 _LEAVE_LIMIT = 15.0  # seconds the shutdown's fail_worker may take, tries included
 
@@ -164,6 +181,11 @@ class Worqr:
         self._given = redis
         self._redis = decoding_client(redis)  # reads tasks that are not UTF-8 too
         self._once = client_without_retries(redis)  # dequeue's transactions: never resent
+        # Idle consumers' blocking takes, a connection each (one server only).
+        self._blocking = blocking_client(redis)
+        self._block_seconds = min(_BLOCK_SECONDS, self._worker_timeout / 2)
+        self._block_ids: dict[str, list[str]] = {}  # queue -> ids kept after blocks timed out
+        self._block_rest: dict[str, float] = {}  # queue -> no blocking take before then
         if strict(self._redis):
             self._log.warning(
                 "this RedisCluster client decodes strictly: make it with"
@@ -358,6 +380,8 @@ class Worqr:
                 for resource in reversed(self._owned):
                     closing.push_async_callback(resource.aclose)
                 closing.push_async_callback(close_client, self._once, self._given)
+                if self._blocking is not None:
+                    closing.push_async_callback(close_client, self._blocking, self._given)
                 closing.push_async_callback(close_client, self._redis, self._given)
                 closing.push_async_callback(self._events.close)
                 if self._runner is not None:  # bounded: a shielded wait must not hang
@@ -854,6 +878,11 @@ class Worqr:
             return []
         finally:
             self._taking.difference_update(reserved)
+        return await self._usable(queue, taken)
+
+    async def _usable(self, queue: str, taken: list[Process]) -> list[Process]:
+        """The processes just taken that a handler can run: the others go to the failed
+        list (an undecodable task, a broken envelope); deadlines of timed jobs set."""
         usable = []
         for process in taken:
             if not readable(process.task):  # no handler can take it, and no retry helps
@@ -864,6 +893,139 @@ class Worqr:
                 usable.append(process)
         await self._set_deadlines(queue, usable)
         return usable
+
+    def _can_block(self, queue: str) -> bool:
+        """Whether an idle consumer of ``queue`` may wait in a blocking take (see
+        `_block_take`): one server (a Cluster keeps the heartbeat on another slot), the
+        queue last seen plain (no pause, limit or other levels), the lease fresh, and
+        no blocking take of the queue failed within the last few seconds."""
+        return (
+            self._blocking is not None
+            and queue not in self._controlled
+            and not self._lease_lapsed()
+            and time.monotonic() >= self._block_rest.get(queue, 0.0)
+        )
+
+    async def _block_take(self, queue: str) -> list[Process]:
+        """Wait up to `_BLOCK_SECONDS` for the queue's next normal task, moved by Redis
+        into a process of this worker the moment it is pushed (`_ops_block`): the idle
+        path without a round trip after the wake-up. [] when none came, the queue
+        turned out paused or limited (the task went back to the front), or the take
+        could not be armed (then blocking takes of the queue rest a while).
+
+        The id stays known as in flight (the audit leaves it alone) until it is held;
+        cancelled, the take drops its connection and gives the id up (what reached its
+        list goes back to the front) once its block is over for certain, in the
+        background.
+        """
+        blocking = self._blocking
+        if blocking is None or self._lost or self._closed or self._supervisor is None:
+            return []
+        epoch = self._epoch
+        kept = self._block_ids.get(queue)
+        previous = kept.pop() if kept else None  # a timed-out take's id: the arm drops it
+        pid = new_process_id(self._worker_id, queue, "normal").id
+        self._taking.add(pid)
+        pool = blocking.connection_pool
+        connection = await pool.get_connection()
+        armed: _ops_block.Armed | None = None
+        over = False  # the block's reply was read: it cannot move anything any more
+        try:
+            armed = await _ops_block.arm(
+                connection,
+                self._keys,
+                self._worker_id,
+                queue,
+                pid,
+                previous=previous,
+                timeout_ms=max(1, round(self._worker_timeout * 1000)),
+                seconds=self._block_seconds,
+                limit=_BLOCK_ARM_LIMIT,
+            )
+            if armed.lapsed or armed.corrupt is not None:
+                await connection.disconnect(nowait=True)  # Redis ends the block
+                self._give_up(queue, pid, armed.at)
+                if previous is not None:
+                    self._give_up(queue, previous, None, over=True)
+                if armed.corrupt is not None:
+                    self._report_corrupt([armed.corrupt])
+                    self._block_rest[queue] = time.monotonic() + _BLOCK_REST
+                else:
+                    await self._lose_leases("heartbeat expired")
+                return []
+            if previous is not None:  # the arm dropped it
+                self._taking.discard(previous)
+                previous = None
+            task, flow = await _ops_block.outcome(
+                connection, self._keys, self._worker_id, queue, self._block_seconds
+            )
+            over = True
+            if task is None:  # none came: the next arm drops this id (known till then)
+                self._block_ids.setdefault(queue, []).append(pid)
+                return []
+            try:
+                parsed: Flow | None = Flow.parse(flow, self._keys.flow(queue))
+            except CorruptDataError:
+                parsed = None
+            if parsed is None or parsed.paused or parsed.limit is not None:
+                self._controlled.add(queue)  # the next take reads the flow first
+                self._give_up(queue, pid, None, over=True)
+                return []
+            if epoch != self._epoch:  # the leases were lost meanwhile: back it goes
+                self._give_up(queue, pid, None, over=True)
+                return []
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await connection.disconnect(nowait=True)
+            self._give_up(queue, pid, None if armed is None else armed.at, over=over)
+            if previous is not None:  # the arm may not have dropped it: so does this
+                self._give_up(queue, previous, None, over=True)
+            if isinstance(exc, Exception):
+                self._block_rest[queue] = time.monotonic() + _BLOCK_REST
+                if isinstance(exc, CorruptDataError):
+                    self._report_corrupt([exc.key or self._keys.tasks(queue)])
+                    return []
+                if isinstance(exc, RedisError | BackendError):
+                    self._log.warning("blocking take failed: %s", exc, extra={"queue": queue})
+                    return []
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await pool.release(connection)
+        process = _ops.as_process(pid, task, queue)
+        self._held[pid] = process
+        self._taking.discard(pid)
+        with anyio.CancelScope(shield=True):  # held now: it must reach a handler
+            usable = await self._usable(queue, [process])
+        return usable
+
+    def _give_up(self, queue: str, pid: str, armed_at: float | None, *, over: bool = False) -> None:
+        """Withdraw a blocking take's id in the background, once its block is over for
+        certain: at once when its reply was read (``over``), `_BLOCK_SECONDS` after
+        the reply that began it (``armed_at``), else after `_UNKNOWN_ARM_WAIT` (the
+        write that would begin it may still be on its way)."""
+        if over:
+            wait = 0.0
+        elif armed_at is not None:
+            wait = max(0.0, armed_at + self._block_seconds + _BLOCK_MARGIN - time.monotonic())
+        else:
+            wait = _UNKNOWN_ARM_WAIT
+
+        async def withdraw() -> None:
+            try:
+                await anyio.sleep(wait)
+                await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
+            except BackendError as exc:  # it stays recorded: a reclaim or
+                self._log.warning(  # the recovery of this worker returns it later
+                    "could not give up a blocking take: %s", exc, extra={"queue": queue}
+                )
+            finally:
+                self._taking.discard(pid)
+
+        if self._task_group is None or self._closed:
+            self._taking.discard(pid)  # closing: peers reclaim it with the worker
+            return
+        self._task_group.start_soon(withdraw)
 
     async def _set_deadlines(self, queue: str, processes: list[Process]) -> None:
         """Record, for the jobs with a timeout, when a peer may take them away: their
@@ -1340,6 +1502,8 @@ class Worqr:
         self._lost = True
         self._epoch += 1
         self._log.warning("worker lost its leases: %s", reason)
+        for consumer in self._consumers:  # their blocks must not fill lists meanwhile
+            consumer._unblock()
         held, self._held = self._held, {}
         for process in held.values():  # handlers stop now; listeners hear it on their task
             self._events.dispatch(process.queue, "lost", process.id)
@@ -1549,6 +1713,10 @@ class Worqr:
             self._consumers.discard(consumer)
             self._events.remove_hook(queue, consumer.hook)
             alone = not any(other.queue == queue for other in self._consumers)
+            if alone:  # the ids its blocking takes left registered
+                for pid in self._block_ids.pop(queue, []):
+                    self._taking.add(pid)  # (`_give_up` forgets it as it ends)
+                    self._give_up(queue, pid, None, over=True)
             ours = started_here or consumer.reason == "deleted"  # a deletion ends the work
             if ours and alone and consumer.reason in (None, "deleted") and not self._closed:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):

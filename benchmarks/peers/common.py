@@ -143,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--callers", type=int, default=1)
+    parser.add_argument("--jobs", action="store_true", help="(worqr) enqueue job envelopes")
     args = parser.parse_args(argv)
     global _buffered
     _buffered = args.buffered

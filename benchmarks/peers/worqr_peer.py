@@ -1,5 +1,8 @@
 """The benchmark adapter for worqr (see common.py for the modes).
 
+``enqueue --batch --jobs`` submits job envelopes (`Worqr.submit_many`, every option
+at its default) instead of plain tasks, for the job-envelope drain.
+
 Jobs: ``schedule`` submits with ``submit_many(at=...)`` in batches of `BATCH` (the due
 time in Unix seconds, judged by the Redis server's clock, which on this host is the
 producer's clock too); every worker of the queue keeps a timer at the earliest due
@@ -72,9 +75,11 @@ async def enqueue() -> None:
         if ARGS.batch:
             for first in range(0, ARGS.n, BATCH):
                 last = min(ARGS.n, first + BATCH)
-                await worqr.enqueue(
-                    ARGS.queue, [payload(i, ARGS.payload_bytes) for i in range(first, last)]
-                )
+                tasks = [payload(i, ARGS.payload_bytes) for i in range(first, last)]
+                if ARGS.jobs:
+                    await worqr.submit_many(ARGS.queue, tasks)
+                else:
+                    await worqr.enqueue(ARGS.queue, tasks)
             emit({"seconds": time.perf_counter() - begun})
             return
 
@@ -130,6 +135,9 @@ async def fleet() -> None:
     async def handler(process: Process) -> None:
         pass
 
+    async with jobs_client() as setup:  # the duties every worker of the queue shares
+        await setup.schedule("hourly", ARGS.queue, "tick", every=3600)
+        await setup.submit(ARGS.queue, "later", delay=3600)
     async with contextlib.AsyncExitStack() as stack:
         for _ in range(ARGS.workers):
             worqr = await stack.enter_async_context(Worqr(Redis.from_url(ARGS.url)))

@@ -1,0 +1,300 @@
+"""An idle consumer's blocking take (docs/diagrams/blocking-take.md): a pushed task
+reaches its handler through the block, without a dequeue; the take's id is recorded
+before the block can move anything, so a reclaim returns what it moved; a peer
+failing a worker as dead stands back while that worker's take refreshes its
+heartbeat; a paused queue, a push at another level and a stop end the take without
+losing or doubling a task; through a slow link every task runs once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from worqr import Process, Worqr, _ops, _ops_block
+from worqr._keys import Keys
+from worqr._names import new_process_id
+from worqr.testing import EmbeddedServer
+
+from .helpers import FAST, Factory, eventually, raw_keys, reap
+from .proxy import LatencyProxy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def _armed(raw: Redis, prefix: str, queue: str = "q") -> bool:
+    """Whether some worker of ``queue`` has a blocking take registered."""
+    return any(":blocking:" in key for key in await raw_keys(raw, f"{prefix}:q:{{{queue}}}"))
+
+
+async def _calls(raw: Redis, command: str) -> int:
+    stats = await raw.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_an_idle_consumer_gets_a_pushed_task_without_a_dequeue(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    ran: list[str] = []
+    worker, producer = real_make(), real_make()
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("q", handler, concurrency=4))
+        await eventually(lambda: _armed(real_client, prefix))
+        moves, blocks = await _calls(real_client, "lmove"), await _calls(real_client, "blmove")
+        for i in range(5):
+            await producer.enqueue("q", f"t{i}")
+            await eventually(lambda: len(ran) == i + 1)  # noqa: B023 - awaited here
+        assert ran == [f"t{i}" for i in range(5)]
+        assert await _calls(real_client, "blmove") >= blocks + 5
+        assert await _calls(real_client, "lmove") == moves  # no dequeue transaction ran
+        tg.cancel_scope.cancel()
+    await eventually(lambda: _no_process_left(real_client, prefix))
+
+
+async def _no_process_left(raw: Redis, prefix: str) -> bool:
+    state = await raw_keys(raw, prefix)
+    return not [key for key in state if ":p:" in key or ":held:" in key or ":blocking:" in key]
+
+
+async def test_an_idle_worker_passes_the_check(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    worker = real_make()
+
+    async def handler(process: Process) -> None:
+        pass
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("q", handler))
+        await eventually(lambda: _armed(real_client, prefix))
+        await anyio.sleep(0.6)  # blocks time out and are armed again meanwhile
+        report = await worker.check()
+        assert report.problems == ()
+        assert await worker.get_processes() == []
+        tg.cancel_scope.cancel()
+
+
+async def test_a_paused_queue_hands_out_nothing_through_an_armed_take(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    ran: Counter[str] = Counter()
+    worker, producer = real_make(), real_make()
+
+    async def handler(process: Process) -> None:
+        ran[process.task] += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("q", handler))
+        await eventually(lambda: _armed(real_client, prefix))
+        await producer.pause_queue("q")
+        await producer.enqueue("q", "held back")
+        await anyio.sleep(0.3)
+        assert ran == Counter()
+        assert await producer.get_tasks("q") == ["held back"]  # back at the front
+        await producer.resume_queue("q")
+        await eventually(lambda: ran == Counter({"held back": 1}))
+        tg.cancel_scope.cancel()
+
+
+async def test_a_push_at_another_level_ends_the_take(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    ran: list[str] = []
+    worker, producer = real_make(), real_make()
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("q", handler, concurrency=1))
+        await eventually(lambda: _armed(real_client, prefix))
+        await producer.enqueue("q", "urgent", priority="high")
+        await producer.enqueue("q", "later", priority="low")
+        await producer.enqueue("q", "plain")
+        await eventually(lambda: sorted(ran) == ["later", "plain", "urgent"])
+        tg.cancel_scope.cancel()
+    await eventually(lambda: _no_process_left(real_client, prefix))
+
+
+async def test_a_reclaim_returns_what_a_dead_workers_block_moved(
+    real_client: Redis, prefix: str, real_make: Factory
+) -> None:
+    keys = Keys(prefix)
+    pid = new_process_id("gone", "q").id
+    await real_client.sadd(keys.blocking("q", "gone"), pid)  # its block moved T1, then
+    await real_client.rpush(keys.process("q", pid), "T1")  # it died before the SMOVE
+    await real_client.sadd(keys.holders("q"), "gone")
+    await real_client.sadd(keys.worker_queues("gone"), "q")
+    await real_client.sadd(keys.workers, "gone")
+    peer = real_make()
+    assert await peer.cleanup_workers() == ["gone"]
+    assert await peer.get_tasks("q") == ["T1"]
+    assert await real_client.exists(keys.blocking("q", "gone")) == 0
+
+
+async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
+    redis_url: str, real_client: Redis, prefix: str, real_make: Factory
+) -> None:
+    """The race forced by hand: the worker is taken for dead (no heartbeat), then its
+    take registers an id and refreshes the heartbeat before the reclaim runs: the
+    reclaim must leave it; once the heartbeat expired, a task the block moved comes
+    back."""
+    keys = Keys(prefix)
+    client = Redis.from_url(redis_url, decode_responses=True)
+    connection = await client.connection_pool.get_connection()
+    await real_client.sadd(keys.worker_queues("w9"), "q")  # it works on q
+    try:
+        pid = new_process_id("w9", "q").id
+        armed = await _ops_block.arm(
+            connection,
+            keys,
+            "w9",
+            "q",
+            pid,
+            previous=None,
+            timeout_ms=400,
+            seconds=0.2,
+            limit=5,
+        )
+        assert armed.lapsed and armed.corrupt is None  # it had no heartbeat before
+        assert await _ops.fail_worker(real_client, keys, "w9", only_if_dead=True) is None
+        assert await real_client.sismember(keys.blocking("q", "w9"), pid)
+        await real_client.rpush(keys.tasks("q"), "T1")  # the block moves it
+        task, _ = await _ops_block.outcome(connection, keys, "w9", "q", 0.2)
+        assert task == "T1"
+        await eventually(lambda: _expired(real_client, keys.heartbeat("w9")))
+        failed = await _ops.fail_worker(real_client, keys, "w9", only_if_dead=True)
+        assert failed is not None and failed.reclaimed["q"].returned == ["T1"]
+        assert await real_client.lrange(keys.tasks("q"), 0, -1) == ["T1"]
+    finally:
+        await client.connection_pool.release(connection)
+        await client.aclose()
+
+
+async def _expired(raw: Redis, key: str) -> bool:
+    return not await raw.exists(key)
+
+
+async def test_every_task_runs_once_through_a_slow_link(
+    proxy: LatencyProxy, prefix: str, real_client: Redis
+) -> None:
+    proxy.delay, proxy.jitter = 0.002, 0.001
+    ran: Counter[str] = Counter()
+
+    async def handler(process: Process) -> None:
+        ran[process.task] += 1
+
+    async with (
+        Worqr.from_url(proxy.url, prefix=prefix) as worker,
+        Worqr.from_url(proxy.url, prefix=prefix) as other,
+        Worqr.from_url(proxy.url, prefix=prefix) as producer,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(lambda: worker.consume("q", handler, concurrency=2))
+        tg.start_soon(lambda: other.consume("q", handler, concurrency=2))
+        await eventually(lambda: _armed(real_client, prefix))
+        for i in range(40):
+            await producer.enqueue("q", f"t{i}")
+            if i % 10 == 9:
+                await producer.enqueue("q", [f"b{i}-{j}" for j in range(5)])
+            await anyio.sleep(0.003)
+        expected = Counter({f"t{i}": 1 for i in range(40)})
+        expected.update({f"b{i}-{j}": 1 for i in range(9, 40, 10) for j in range(5)})
+        await eventually(lambda: ran == expected, within=20)
+        tg.cancel_scope.cancel()
+    await eventually(lambda: _no_process_left(real_client, prefix))
+
+
+def _worker(server: EmbeddedServer, prefix: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.worker_process", server.url, prefix, "q"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+async def test_a_killed_blocked_worker_takes_nothing(server: EmbeddedServer, raw: Redis) -> None:
+    prefix = "killed-block"
+    child = _worker(server, prefix)
+    try:
+        await eventually(lambda: _armed(raw, prefix), within=20)
+        child.kill()
+        child.wait(5)
+        async with Worqr.from_url(server.url, prefix=prefix, **FAST) as peer:
+            await peer.enqueue("q", "T1")
+            ran: list[str] = []
+
+            async def handler(process: Process) -> None:
+                ran.append(process.task)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: peer.consume("q", handler))
+                await eventually(lambda: ran == ["T1"], within=10)
+                tg.cancel_scope.cancel()
+    finally:
+        reap(child)
+
+
+async def _blocked_in_blmove(raw: Redis) -> bool:
+    """Whether some client of the server waits in BLMOVE now."""
+    clients = await raw.client_list()
+    return any("b" in c.get("flags", "") and c.get("cmd") == "blmove" for c in clients)
+
+
+@pytest.mark.slow
+async def test_a_frozen_workers_moved_task_is_reclaimed_and_runs_once(
+    server: EmbeddedServer, raw: Redis
+) -> None:
+    prefix = "frozen-block"
+    keys = Keys(prefix)
+    child = _worker(server, prefix)
+    ran: list[str] = []
+    try:
+        await eventually(lambda: _armed(raw, prefix), within=20)
+        for attempt in range(20):  # freeze it while its block waits, then push T1
+            os.kill(child.pid, signal.SIGSTOP)
+            if await _blocked_in_blmove(raw):
+                await raw.rpush(keys.tasks("q"), f"T{attempt}")
+                await anyio.sleep(0.05)
+                if not await raw.llen(keys.tasks("q")):
+                    break  # the frozen worker's block moved it
+                await raw.delete(keys.tasks("q"))  # its block had just timed out
+            os.kill(child.pid, signal.SIGCONT)
+            await anyio.sleep(0.1)
+        else:
+            pytest.fail("never froze the worker while its block waited")
+        task = f"T{attempt}"
+        held = [key for key in await raw_keys(raw, prefix) if ":p:" in key]
+        assert len(held) == 1 and await raw.lrange(held[0], 0, -1) == [task]
+        async with Worqr.from_url(server.url, prefix=prefix, **FAST) as peer:
+
+            async def handler(process: Process) -> None:
+                ran.append(process.task)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: peer.consume("q", handler))
+                await eventually(lambda: ran == [task], within=15)  # reclaimed, run
+                os.kill(child.pid, signal.SIGCONT)  # back: it must not run it too
+                await anyio.sleep(1.5)
+                tg.cancel_scope.cancel()
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait(5)
+        assert child.stdout is not None
+        lines = child.stdout.read()
+        reap(child)
+    assert f"started {task}" not in lines
+    assert ran == [task]

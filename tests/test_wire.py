@@ -1,0 +1,176 @@
+"""Commands on the wire without redis-py's pipeline object (`worqr._wire`): packed as
+redis-py packs them, replies raw and in order with errors in place, a transaction
+refused as a whole when a command is refused as it is queued, one time limit for all
+of an exchange's replies, and WATCH sessions that never leave a WATCH (or unread
+replies) on a pooled connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import DataError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from worqr._errors import is_wrong_type
+from worqr._wire import exchange, pack, round_trip, transaction, watching
+
+from .proxy import LatencyProxy
+
+ARGS = st.one_of(
+    st.text(),
+    st.binary(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["SET", "HSET", "ZADD"]), st.lists(ARGS, max_size=6)).map(
+            lambda command: (command[0], *command[1])
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_pack_gives_the_bytes_redis_py_sends(commands: list[tuple[object, ...]]) -> None:
+    connection = Connection()
+    expected = b"".join(b"".join(connection.pack_command(*command)) for command in commands)
+    assert pack(commands) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arg", [True, None, [1], 1j])
+def test_pack_refuses_what_redis_py_refuses(arg: object) -> None:
+    with pytest.raises(DataError, match="cannot send"):
+        pack([("SET", "k", arg)])  # type: ignore[list-item]
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Redis]:
+    one = Redis.from_url(redis_url, decode_responses=True)
+    yield one
+    await one.aclose()
+
+
+async def test_a_transaction_gives_raw_replies_with_a_wrong_type_in_its_place(
+    client: Redis, prefix: str
+) -> None:
+    await client.set(f"{prefix}:s", "x")
+    replies = await transaction(
+        client, [("INCR", f"{prefix}:n"), ("LPUSH", f"{prefix}:s", "y"), ("SET", f"{prefix}:t", 1)]
+    )
+    assert replies[0] == 1 and is_wrong_type(replies[1]) and replies[2] == "OK"
+    assert await client.get(f"{prefix}:t") == "1"  # the others were applied
+
+
+async def test_a_command_refused_as_queued_refuses_the_whole_transaction(
+    client: Redis, prefix: str
+) -> None:
+    with pytest.raises(ResponseError, match="wrong number of arguments"):
+        await transaction(client, [("INCR", f"{prefix}:n"), ("GET",), ("INCR", f"{prefix}:n")])
+    assert await client.get(f"{prefix}:n") is None
+    assert await transaction(client, [("INCR", f"{prefix}:n")]) == [1]  # still in step
+
+
+async def test_a_round_trip_cancelled_mid_reply_leaves_no_stale_reply_behind(
+    proxy: LatencyProxy, prefix: str
+) -> None:
+    proxy.delay = 0.05
+    client = Redis.from_url(proxy.url, decode_responses=True)
+    try:
+        await client.ping()
+        cut = asyncio.create_task(round_trip(client, [("ECHO", "stale"), ("ECHO", "stale")]))
+        await asyncio.sleep(0.02)  # sent, its replies not yet read
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        proxy.delay = 0.0
+        assert await round_trip(client, [("ECHO", "fresh"), ("INCR", f"{prefix}:n")]) == [
+            "fresh",
+            1,
+        ]
+    finally:
+        await client.delete(f"{prefix}:n")
+        await client.aclose()
+
+
+async def test_one_time_limit_covers_every_reply_of_an_exchange(
+    proxy: LatencyProxy, prefix: str
+) -> None:
+    client = Redis.from_url(proxy.url, decode_responses=True, socket_timeout=0.3)
+    try:
+        connection = await client.connection_pool.get_connection()
+        await connection.connect()
+        proxy.delay = 0.5  # each reply alone would be late
+        with pytest.raises(RedisTimeoutError, match="no reply within 0.3 s"):
+            await exchange(connection, [("ECHO", "a"), ("ECHO", "b")])
+        assert not connection.is_connected  # dropped: its replies were never read
+        await client.connection_pool.release(connection)
+        proxy.delay = 0.1  # 100 replies in about one delay: within the limit together
+        replies = await round_trip(client, [("INCR", f"{prefix}:n")] * 100)
+        assert replies == list(range(1, 101))
+    finally:
+        proxy.delay = 0.0
+        await client.delete(f"{prefix}:n")
+        await client.aclose()
+
+
+async def test_a_watch_session_commits_or_reports_a_change(client: Redis, prefix: str) -> None:
+    key = f"{prefix}:k"
+    async with watching(client) as session:
+        assert await session.look([key], [("GET", key)]) == [None]
+        assert await session.commit([("SET", key, "mine")]) == ["OK"]
+    async with watching(client) as session:
+        assert await session.look([key], [("GET", key)]) == ["mine"]
+        await client.set(key, "theirs")  # another connection changes it
+        assert await session.commit([("SET", key, "mine again")]) is None
+    assert await client.get(key) == "theirs"
+
+
+async def test_a_session_left_without_commit_leaves_no_watch_on_its_connection(
+    redis_url: str, prefix: str
+) -> None:
+    client = Redis.from_url(redis_url, decode_responses=True, max_connections=1)
+    key = f"{prefix}:k"
+    try:
+        async with watching(client) as session:
+            await session.look([key], [("GET", key)])
+        await client.set(key, "changed")  # would abort a WATCH still on the connection
+        assert await transaction(client, [("INCR", f"{prefix}:n")]) == [1]
+    finally:
+        await client.delete(key, f"{prefix}:n")
+        await client.aclose()
+
+
+async def test_only_a_sessions_first_look_is_resent_after_a_lost_connection(
+    redis_url: str, prefix: str
+) -> None:
+    resending = Retry(NoBackoff(), 2)  # the session follows its client's policy
+    client = Redis.from_url(redis_url, decode_responses=True, max_connections=1, retry=resending)
+    killer = Redis.from_url(redis_url)
+    key = f"{prefix}:k"
+    try:
+        await killer.execute_command("CLIENT", "KILL", "SKIPME", "NO", "TYPE", "normal")
+        async with watching(client) as session:  # its connection died before the look
+            assert await session.look([key], [("GET", key)]) == [None]
+            assert await session.commit([("SET", key, "1")]) == ["OK"]
+        with pytest.raises(RedisConnectionError):
+            async with watching(client) as session:
+                await session.look([key], [("GET", key)])
+                await killer.execute_command("CLIENT", "KILL", "SKIPME", "NO", "TYPE", "normal")
+                await session.look([f"{key}2"], [("GET", key)])  # the WATCH was lost
+        assert await client.get(key) == "1"  # the pool serves again
+    finally:
+        await client.delete(key)
+        await client.aclose()
+        await killer.aclose()
