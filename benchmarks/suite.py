@@ -721,10 +721,13 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
     for key, name in (("latency_p50_ms", "p50"), ("latency_p99_ms", "p99")):
         value, rival = ours(key), best(key, peers, False)
         if value and rival:
-            verdict = "below" if value < rival[1] else "not below"
+            below = 1 - value / rival[1]
+            met = below >= 0.2 and (name != "p99" or value < 1.2)
+            ceiling = " and under 1.2 ms" if name == "p99" else ""
             lines.append(
-                f"- Latency {name}: {value:.2f} ms, {verdict} every peer "
-                f"(lowest: {rival[0]}, {rival[1]:.2f} ms)."
+                f"- Latency {name}: {value:.2f} ms, {below:.0%} below the lowest peer "
+                f"({rival[0]}, {rival[1]:.2f} ms); target at least 20% below{ceiling}: "
+                f"{'met' if met else 'not met'}."
             )
     recoveries = results.samples.get("worqr", {}).get("recovery_s")
     if recoveries:

@@ -33,24 +33,38 @@ Wire = tuple[Arg, ...]
 def pack(commands: Sequence[Wire], encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """``commands`` in the Redis protocol (RESP arrays of bulk strings), as one buffer;
     str arguments in ``encoding`` (the client's), numbers in their decimal form."""
-    out = bytearray()
+    parts: list[bytes] = []
+    append = parts.append
     for command in commands:
-        out += b"*%d\r\n" % len(command)
+        append(b"*%d\r\n" % len(command))
         for arg in command:
-            if isinstance(arg, str):
-                data = arg.encode(encoding, errors)
-            elif isinstance(arg, bytes):
+            kind = type(arg)  # exact types first: this loop runs per argument
+            if kind is str:
+                data = arg.encode(encoding, errors)  # type: ignore[union-attr]
+            elif kind is bytes:
                 data = arg
-            elif isinstance(arg, int) and not isinstance(arg, bool):
-                data = b"%d" % arg
-            elif isinstance(arg, float):
-                data = repr(arg).encode()
             else:
-                raise DataError(f"cannot send an argument of type {type(arg).__name__}")
-            out += b"$%d\r\n" % len(data)
-            out += data
-            out += b"\r\n"
-    return bytes(out)
+                data = _number(arg, encoding, errors)
+            append(b"$%d\r\n" % len(data))
+            append(data)
+            append(b"\r\n")
+    return b"".join(parts)
+
+
+def _number(arg: object, encoding: str, errors: str) -> bytes:
+    """An argument that is not exactly str or bytes: a number in its decimal form (as
+    redis-py sends it), or a subclass of str or bytes."""
+    if isinstance(arg, bool):
+        raise DataError("cannot send an argument of type bool")
+    if isinstance(arg, int):
+        return b"%d" % arg
+    if isinstance(arg, float):
+        return repr(arg).encode()
+    if isinstance(arg, str):
+        return str.encode(arg, encoding, errors)
+    if isinstance(arg, bytes):
+        return bytes(arg)
+    raise DataError(f"cannot send an argument of type {type(arg).__name__}")
 
 
 async def exchange(connection: AbstractConnection, commands: Sequence[Wire]) -> list[Any]:

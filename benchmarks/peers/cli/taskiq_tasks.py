@@ -4,8 +4,8 @@ defaults otherwise (the concurrency is the command line's ``--max-async-tasks``)
 
 from __future__ import annotations
 
-from taskiq_redis import RedisStreamBroker
 from tally import QUEUE, URL, tick
+from taskiq_redis import RedisStreamBroker
 
 broker = RedisStreamBroker(URL, queue_name=QUEUE)
 
