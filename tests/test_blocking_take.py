@@ -8,6 +8,7 @@ losing or doubling a task; through a slow link every task runs once."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -161,7 +162,6 @@ async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
             "w9",
             "q",
             pid,
-            previous=None,
             timeout_ms=400,
             seconds=0.2,
             limit=5,
@@ -179,6 +179,86 @@ async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
     finally:
         await client.connection_pool.release(connection)
         await client.aclose()
+
+
+async def test_concurrency_holds_with_a_blocking_take_and_a_dequeue_at_once(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    running, peak = 0, 0
+    ran: Counter[str] = Counter()
+    worker, producer = real_make(), real_make()
+
+    async def handler(process: Process) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        ran[process.task] += 1
+        await anyio.sleep(random.uniform(0.02, 0.1))
+        running -= 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("q", handler, concurrency=2))
+        await eventually(lambda: _armed(real_client, prefix))
+        names = []
+        for i in range(60):  # single pushes and small batches, some while handlers run
+            batch = [f"t{i}-{j}" for j in range(random.choice([1, 1, 2, 3]))]
+            names += batch
+            await producer.enqueue("q", batch)
+            await anyio.sleep(random.uniform(0.0, 0.06))
+        await eventually(lambda: ran == Counter(names), within=20)
+        tg.cancel_scope.cancel()
+    assert peak <= 2
+
+
+async def test_a_task_arriving_as_the_take_is_stopped_still_runs(
+    proxy: LatencyProxy, prefix: str, real_client: Redis, redis_url: str
+) -> None:
+    """A timed job reaches the take; the deadline it then records takes a slow round
+    trip, during which a push at another level stops the take: the job must run."""
+    proxy.delay = 0.1
+    ran: Counter[str] = Counter()
+
+    async def handler(process: Process) -> None:
+        ran[process.task] += 1
+
+    async with (
+        Worqr.from_url(proxy.url, prefix=prefix) as worker,
+        Worqr.from_url(redis_url, prefix=prefix) as producer,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(lambda: worker.consume("q", handler, concurrency=2))
+        await eventually(lambda: _armed(real_client, prefix), within=10)
+        job = await producer.submit("q", "timed", timeout=30)
+        await anyio.sleep(0.15)  # its block's reply is back; its deadline on the way
+        await producer.enqueue("q", "urgent", priority="high")
+        assert await job.result(timeout=10) is None
+        await eventually(lambda: ran["urgent"] == 1, within=10)
+        assert ran["timed"] == 1
+        tg.cancel_scope.cancel()
+
+
+async def test_a_live_worker_failed_by_hand_loses_no_task_its_block_moves(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    ran: Counter[str] = Counter()
+    worker, operator = real_make(), real_make()
+
+    async def handler(process: Process) -> None:
+        ran[process.task] += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("q", handler))
+        await eventually(lambda: _armed(real_client, prefix))
+        await operator.fail_worker(worker.worker_id)  # its block is still on the server
+        await operator.enqueue("q", "T1")
+        await eventually(lambda: ran["T1"] >= 1, within=15)
+        await eventually(lambda: _no_list_left(real_client, prefix), within=15)
+        assert await operator.get_tasks("q") == []
+        tg.cancel_scope.cancel()
+
+
+async def _no_list_left(raw: Redis, prefix: str) -> bool:
+    return not [key for key in await raw_keys(raw, prefix) if ":p:" in key]
 
 
 async def _expired(raw: Redis, key: str) -> bool:

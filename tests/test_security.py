@@ -46,7 +46,7 @@ WORQR_COMMANDS = (
     "watch", "unwatch", "multi", "exec", "publish", "subscribe", "unsubscribe",
     "type", "pttl", "zadd", "zremrangebyscore", "zscore", "zmscore",
     "zrange", "zrem", "time", "hset", "hgetall", "pexpire", "lpos",
-    "scard", "srandmember", "hsetnx", "blmove", "smove",
+    "scard", "srandmember", "hsetnx", "blmove",
 )  # fmt: skip
 """Every command worqr sends as its ACL user, each one needed: the rule in
 docs/security.md lists the same. (HELLO and AUTH run before authentication.)"""

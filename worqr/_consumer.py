@@ -53,7 +53,7 @@ class Host(Protocol):
 
     def _can_block(self, queue: str) -> bool: ...
 
-    async def _block_take(self, queue: str) -> list[Process]: ...
+    async def _block_take(self, queue: str, received: Callable[[], None]) -> list[Process]: ...
 
     def _lease_lapsed(self) -> bool: ...
 
@@ -101,6 +101,8 @@ class Consumer:
         self._blocked_cancels: set[str] = set()  # tasks cancelled while it waited
         self._pretaken = 0  # tasks it took whose ``work`` event may still come
         self._claimed = False  # a ``work`` event counted one task as the take's
+        self._block_waiting = False  # the take waits: it may be cancelled
+        self._asked = 0  # tasks the dequeue in flight may return
         self._pretaken_until = 0.0
         self.reason: str | None = None
 
@@ -159,8 +161,9 @@ class Consumer:
         self._wake.set()
 
     def _unblock(self) -> None:
-        """Stop the blocking take, if one waits (it gives its id up as it ends)."""
-        if self._blocker is not None:
+        """Stop the blocking take, if one waits (it gives its id up as it ends); one
+        that received its task already goes on to start it."""
+        if self._blocker is not None and self._block_waiting:
             self._blocker.cancel()
 
     def _end_now(self, pid: str, outcome: str) -> None:
@@ -253,24 +256,29 @@ class Consumer:
         pushed, without the round trip after a ``work`` event."""
         if (
             self._blocker is None
-            and len(self._running) < self._concurrency
+            and len(self._running) + self._asked < self._concurrency
             and self._host._can_block(self.queue)
         ):
             self._blocked_cancels, self._claimed = set(), False
+            self._block_waiting = True
             self._blocker = asyncio.get_running_loop().create_task(self._block())
+
+    def _received(self) -> None:
+        """The blocking take received its task: no cancelling it from now on."""
+        self._block_waiting = False
 
     async def _block(self) -> None:
         """The blocking take, then its task's handler; wakes the loop either way."""
         taken: list[Process] = []
         try:
-            taken = await self._host._block_take(self.queue)
+            taken = await self._host._block_take(self.queue, self._received)
         except asyncio.CancelledError:
             return  # `_unblock`: the take gave its id up
         except Exception as exc:  # its own failures are handled inside: not expected
             self._log.warning("blocking take failed: %s", exc, extra={"queue": self.queue})
             return
         finally:
-            self._blocker = None
+            self._blocker, self._block_waiting = None, False
             if not taken:  # none came, or the queue changed: the loop looks and re-arms
                 self._wake.set()
         if not taken:
@@ -319,6 +327,7 @@ class Consumer:
         announced, self._announced = min(self._announced, free), 0
         count = announced or free
         self._dequeuing, self._cancelled_meanwhile = True, set()
+        self._asked = count
         try:
             # A dequeue cut off here may have been applied: what it took is recorded
             # under this worker but unknown to it, and the audit returns it at its next
@@ -332,7 +341,7 @@ class Consumer:
                 return self._backlog
             return False
         finally:
-            self._dequeuing = False
+            self._dequeuing, self._asked = False, 0
 
     async def _start_taken(self, taken: list[Process], cancelled: set[str]) -> None:
         """Start a handler per process, unless the consumer stopped (hand them back,
@@ -366,11 +375,15 @@ class Consumer:
         if self._host._lease_lapsed():
             # The worker stalled past worker_timeout (a SIGSTOP, a blocked event loop)
             # between the dequeue and now: peers may be handing this process back
-            # already, so its handler must not start. The heartbeat loop fences the
-            # worker at its next beat and hands back what is recorded under it.
+            # already, so its handler must not start. It goes back to the front of its
+            # queue (fenced: not if a peer did that first), as at a fence of the whole
+            # worker; the next heartbeat may well succeed, and then nothing else would.
             self._running.pop(process.id, None)
-            if not self._running:
-                self._idle.set()
+            try:
+                await self._host._settle(process, "requeue", None)
+            finally:
+                if not self._running:
+                    self._idle.set()
             return
         outcome, detail, trace, delay = "finish", None, "", None
         error: BaseException | None = None  # what the handler raised, for the log

@@ -10,9 +10,8 @@ blocking-take.md draws it with its failure analysis; in short:
 - The id is in ``blocking:<w>`` before the block can move anything (the same write,
   ahead of it), so a task moved in is always recorded under the worker: a reclaim
   returns what the lists of both ``held:<w>`` and ``blocking:<w>`` hold. As the block
-  returns, the same write moves the id to ``held:<w>``: from then on the process is
-  like any other (a block that timed out leaves an id without a list there, which
-  the next arm removes).
+  returns, the same write records the id in ``held:<w>``: from then on the process
+  is like any other (after a block that timed out the worker withdraws it at once).
 - The same transaction refreshes the worker's heartbeat (``SET alive ... GET``), and
   a peer failing a dead worker checks that heartbeat under WATCH (`_ops.reclaim`
   with ``unless_alive``): the block, at most ``seconds`` < ``worker_timeout`` long,
@@ -60,53 +59,48 @@ async def arm(
     queue: str,
     process_id: str,
     *,
-    previous: str | None,
     timeout_ms: int,
     seconds: float,
     limit: float | None,
 ) -> Armed:
     """Register ``process_id`` and begin the block, in one write on ``connection`` (a
     connection of its own: it stays blocked up to ``seconds``); return what the
-    registration said. The block's own reply is read by `outcome`. ``previous`` is
-    the id of the take before, whose block timed out (so its list never existed): it
-    goes.
+    registration said. The block's own replies are read by `outcome`.
 
       1. MULTI
       2. SADD blocking:<w> <id>
-      3. SREM held:<w> <previous>                  (if any)
-      4. SADD holders <w>
-      5. SET alive <now> PX <worker_timeout> GET   -> nil: the heartbeat had lapsed
-      6. EXEC
-      7. BLMOVE tasks p:<id> LEFT RIGHT <seconds>  (runs as EXEC ends: the same write)
-      8. SMOVE blocking:<w> held:<w> <id>          (runs as the block returns: the id is
-                                                    a process of the worker like any
-                                                    other, or, if the block timed out,
-                                                    an id without a list until step 3
-                                                    of the next arm)
+      3. SADD holders <w>
+      4. SET alive <now> PX <worker_timeout> GET   -> nil: the heartbeat had lapsed
+      5. EXEC
+      6. BLMOVE tasks p:<id> LEFT RIGHT <seconds>  (runs as EXEC ends: the same write)
+      7. SADD held:<w> <id>                        (run as the block returns: the id is a
+      8. SREM blocking:<w> <id>                     process of the worker like any other,
+                                                    recorded even if a reclaim deleted
+                                                    blocking:<w> meanwhile; after a
+                                                    timeout, `forget` withdraws it)
       9. HMGET flow paused limit per
     """
     blocking, held = keys.blocking(queue, worker_id), keys.held(queue, worker_id)
-    gone: list[Wire] = [] if previous is None else [("SREM", held, previous)]
     writes: list[Wire] = [
         ("MULTI",),
         ("SADD", blocking, process_id),
-        *gone,
         ("SADD", keys.holders(queue), worker_id),
         ("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms, "GET"),
         ("EXEC",),
         ("BLMOVE", keys.tasks(queue), keys.process(queue, process_id), "LEFT", "RIGHT", seconds),
-        ("SMOVE", blocking, held, process_id),
+        ("SADD", held, process_id),
+        ("SREM", blocking, process_id),
         read_flow(keys, queue),
     ]
     await send(connection, writes)
-    *queued, done = await replies(connection, len(writes) - 3, limit)
+    *queued, done = await replies(connection, 5, limit)
     at = time.monotonic()
     for reply in queued:
         if isinstance(reply, ResponseError):
             raise reply  # refused as queued: nothing applied
     if isinstance(done, ResponseError):
         raise done
-    for command, reply in zip(writes[1:], done, strict=False):
+    for command, reply in zip(writes[1:4], done, strict=True):
         if is_wrong_type(reply):
             return Armed(lapsed=False, corrupt=str(command[1]), at=at)
     return Armed(lapsed=done[-1] is None, corrupt=None, at=at)
@@ -116,17 +110,30 @@ async def outcome(
     connection: AbstractConnection, keys: Keys, worker_id: str, queue: str, seconds: float
 ) -> tuple[str | None, Any]:
     """The block's reply (the task moved, or None when it timed out) and the flow
-    control as read right after it. Raises `CorruptDataError` when ``tasks`` (nothing
-    was moved) or ``held:<w>`` (the id stayed in ``blocking:<w>``) is of the wrong
-    type."""
-    moved, adopted, flow = await replies(connection, 3, seconds + _REPLY_MARGIN)
+    control as read right after it. Raises `CorruptDataError` naming ``tasks``
+    (nothing was moved), ``held:<w>`` or ``blocking:<w>`` when of the wrong type."""
+    moved, *recorded, flow = await replies(connection, 4, seconds + _REPLY_MARGIN)
     if is_wrong_type(moved):
         raise _corrupt(keys.tasks(queue))
-    if is_wrong_type(adopted):
-        raise _corrupt(keys.held(queue, worker_id))
+    keyed = (keys.held(queue, worker_id), keys.blocking(queue, worker_id))
+    for key, reply in zip(keyed, recorded, strict=True):
+        if is_wrong_type(reply):
+            raise _corrupt(key)
     if isinstance(moved, ResponseError):
         raise moved
     return (None if moved is None else text(moved)), flow
+
+
+async def forget(
+    connection: AbstractConnection, keys: Keys, worker_id: str, queue: str, process_id: str
+) -> None:
+    """After a block that timed out (its reply read: it moved nothing), withdraw its
+    id, which steps 7-8 of `arm` recorded without a list, on the take's connection.
+
+      1. SREM held:<w> <id>
+    """
+    await send(connection, [("SREM", keys.held(queue, worker_id), process_id)])
+    await replies(connection, 1, _REPLY_MARGIN)
 
 
 _REPLY_MARGIN = 2.0

@@ -184,7 +184,6 @@ class Worqr:
         # Idle consumers' blocking takes, a connection each (one server only).
         self._blocking = blocking_client(redis)
         self._block_seconds = min(_BLOCK_SECONDS, self._worker_timeout / 2)
-        self._block_ids: dict[str, list[str]] = {}  # queue -> ids kept after blocks timed out
         self._block_rest: dict[str, float] = {}  # queue -> no blocking take before then
         if strict(self._redis):
             self._log.warning(
@@ -906,24 +905,24 @@ class Worqr:
             and time.monotonic() >= self._block_rest.get(queue, 0.0)
         )
 
-    async def _block_take(self, queue: str) -> list[Process]:
+    async def _block_take(self, queue: str, received: Callable[[], None]) -> list[Process]:
         """Wait up to `_BLOCK_SECONDS` for the queue's next normal task, moved by Redis
         into a process of this worker the moment it is pushed (`_ops_block`): the idle
         path without a round trip after the wake-up. [] when none came, the queue
         turned out paused or limited (the task went back to the front), or the take
         could not be armed (then blocking takes of the queue rest a while).
 
-        The id stays known as in flight (the audit leaves it alone) until it is held;
-        cancelled, the take drops its connection and gives the id up (what reached its
-        list goes back to the front) once its block is over for certain, in the
-        background.
+        ``received()`` is called as a task arrives, before anything else: from then on
+        the caller must not cancel the call (the task is held, and must reach a
+        handler or go back). The id stays known as in flight (the audit leaves it
+        alone) until it is held; cancelled while it waits, the take drops its
+        connection and gives the id up (what reached its list goes back to the
+        front) once its block is over for certain, in the background.
         """
         blocking = self._blocking
         if blocking is None or self._lost or self._closed or self._supervisor is None:
             return []
         epoch = self._epoch
-        kept = self._block_ids.get(queue)
-        previous = kept.pop() if kept else None  # a timed-out take's id: the arm drops it
         pid = new_process_id(self._worker_id, queue, "normal").id
         self._taking.add(pid)
         pool = blocking.connection_pool
@@ -937,7 +936,6 @@ class Worqr:
                 self._worker_id,
                 queue,
                 pid,
-                previous=previous,
                 timeout_ms=max(1, round(self._worker_timeout * 1000)),
                 seconds=self._block_seconds,
                 limit=_BLOCK_ARM_LIMIT,
@@ -945,41 +943,25 @@ class Worqr:
             if armed.lapsed or armed.corrupt is not None:
                 await connection.disconnect(nowait=True)  # Redis ends the block
                 self._give_up(queue, pid, armed.at)
-                if previous is not None:
-                    self._give_up(queue, previous, None, over=True)
                 if armed.corrupt is not None:
                     self._report_corrupt([armed.corrupt])
                     self._block_rest[queue] = time.monotonic() + _BLOCK_REST
                 else:
                     await self._lose_leases("heartbeat expired")
                 return []
-            if previous is not None:  # the arm dropped it
-                self._taking.discard(previous)
-                previous = None
             task, flow = await _ops_block.outcome(
                 connection, self._keys, self._worker_id, queue, self._block_seconds
             )
             over = True
-            if task is None:  # none came: the next arm drops this id (known till then)
-                self._block_ids.setdefault(queue, []).append(pid)
+            if task is None:  # none came: the id goes, its block over
+                await _ops_block.forget(connection, self._keys, self._worker_id, queue, pid)
+                self._taking.discard(pid)
                 return []
-            try:
-                parsed: Flow | None = Flow.parse(flow, self._keys.flow(queue))
-            except CorruptDataError:
-                parsed = None
-            if parsed is None or parsed.paused or parsed.limit is not None:
-                self._controlled.add(queue)  # the next take reads the flow first
-                self._give_up(queue, pid, None, over=True)
-                return []
-            if epoch != self._epoch:  # the leases were lost meanwhile: back it goes
-                self._give_up(queue, pid, None, over=True)
-                return []
+            received()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await connection.disconnect(nowait=True)
             self._give_up(queue, pid, None if armed is None else armed.at, over=over)
-            if previous is not None:  # the arm may not have dropped it: so does this
-                self._give_up(queue, previous, None, over=True)
             if isinstance(exc, Exception):
                 self._block_rest[queue] = time.monotonic() + _BLOCK_REST
                 if isinstance(exc, CorruptDataError):
@@ -992,12 +974,21 @@ class Worqr:
         finally:
             with anyio.CancelScope(shield=True):
                 await pool.release(connection)
+        try:
+            parsed: Flow | None = Flow.parse(flow, self._keys.flow(queue))
+        except CorruptDataError:
+            parsed = None
+        if parsed is None or parsed.paused or parsed.limit is not None:
+            self._controlled.add(queue)  # the next take reads the flow first
+            self._give_up(queue, pid, None, over=True)
+            return []
+        if epoch != self._epoch:  # the leases were lost meanwhile: back it goes
+            self._give_up(queue, pid, None, over=True)
+            return []
         process = _ops.as_process(pid, task, queue)
         self._held[pid] = process
         self._taking.discard(pid)
-        with anyio.CancelScope(shield=True):  # held now: it must reach a handler
-            usable = await self._usable(queue, [process])
-        return usable
+        return await self._usable(queue, [process])
 
     def _give_up(self, queue: str, pid: str, armed_at: float | None, *, over: bool = False) -> None:
         """Withdraw a blocking take's id in the background, once its block is over for
@@ -1713,10 +1704,6 @@ class Worqr:
             self._consumers.discard(consumer)
             self._events.remove_hook(queue, consumer.hook)
             alone = not any(other.queue == queue for other in self._consumers)
-            if alone:  # the ids its blocking takes left registered
-                for pid in self._block_ids.pop(queue, []):
-                    self._taking.add(pid)  # (`_give_up` forgets it as it ends)
-                    self._give_up(queue, pid, None, over=True)
             ours = started_here or consumer.reason == "deleted"  # a deletion ends the work
             if ours and alone and consumer.reason in (None, "deleted") and not self._closed:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(10):
