@@ -112,7 +112,9 @@ async def test_a_frozen_server_is_given_up_and_the_subscriber_recovers_once_it_a
         tg.start_soon(peer.consume, "jobs", handler)
         await eventually(lambda: _works_on(peer, "jobs"))
         (before,) = await _subscriber_ids(server)
-        await raw.rpush(Keys(prefix).tasks("jobs"), "unannounced")
+        # At high priority: an idle consumer's blocking take waits on the normal list
+        # only, so that nothing but the recovery finds it.
+        await raw.rpush(Keys(prefix).level("jobs", "high"), "unannounced")
         with caplog.at_level(logging.INFO, logger="worqr"):
             frozen_at = time.monotonic()
             with stopped(server):
