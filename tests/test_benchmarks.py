@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from redis import Redis
 
 from benchmarks import suite

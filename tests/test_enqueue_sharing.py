@@ -15,7 +15,6 @@ from redis.asyncio import Redis
 from worqr import ClosedError, CorruptDataError, DuplicateTaskError, PermissionDeniedError, Worqr
 from worqr._batch import GroupCommit
 from worqr._connections import Client
-from worqr._errors import is_wrong_type
 
 from .helpers import Factory
 from .proxy import LatencyProxy

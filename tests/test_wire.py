@@ -112,7 +112,7 @@ async def test_one_time_limit_covers_every_reply_of_an_exchange(
         connection = await client.connection_pool.get_connection()
         await connection.connect()
         proxy.delay = 0.5  # each reply alone would be late
-        with pytest.raises(RedisTimeoutError, match="no reply within 0.3 s"):
+        with pytest.raises(RedisTimeoutError, match=r"no reply within 0\.3 s"):
             await exchange(connection, [("ECHO", "a"), ("ECHO", "b")])
         assert not connection.is_connected  # dropped: its replies were never read
         await client.connection_pool.release(connection)
