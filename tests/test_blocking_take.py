@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -32,6 +33,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 async def _armed(raw: Redis, prefix: str, queue: str = "q") -> bool:
     """Whether some worker of ``queue`` has a blocking take registered."""
     return any(":blocking:" in key for key in await raw_keys(raw, f"{prefix}:q:{{{queue}}}"))
+
+
+def counting(ran: Counter[str]) -> Callable[[Process], Awaitable[None]]:
+    """A handler that counts the runs of each task in ``ran``."""
+
+    async def handler(process: Process) -> None:
+        ran[process.task] += 1
+
+    return handler
 
 
 async def _calls(raw: Redis, command: str) -> int:
@@ -91,11 +101,8 @@ async def test_a_paused_queue_hands_out_nothing_through_an_armed_take(
     ran: Counter[str] = Counter()
     worker, producer = real_make(), real_make()
 
-    async def handler(process: Process) -> None:
-        ran[process.task] += 1
-
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: worker.consume("q", handler))
+        tg.start_soon(lambda: worker.consume("q", counting(ran)))
         await eventually(lambda: _armed(real_client, prefix))
         await producer.pause_queue("q")
         await producer.enqueue("q", "held back")
@@ -218,15 +225,12 @@ async def test_a_task_arriving_as_the_take_is_stopped_still_runs(
     proxy.delay = 0.1
     ran: Counter[str] = Counter()
 
-    async def handler(process: Process) -> None:
-        ran[process.task] += 1
-
     async with (
         Worqr.from_url(proxy.url, prefix=prefix) as worker,
         Worqr.from_url(redis_url, prefix=prefix) as producer,
         anyio.create_task_group() as tg,
     ):
-        tg.start_soon(lambda: worker.consume("q", handler, concurrency=2))
+        tg.start_soon(lambda: worker.consume("q", counting(ran), concurrency=2))
         await eventually(lambda: _armed(real_client, prefix), within=10)
         job = await producer.submit("q", "timed", timeout=30)
         await anyio.sleep(0.15)  # its block's reply is back; its deadline on the way
@@ -243,11 +247,8 @@ async def test_a_live_worker_failed_by_hand_loses_no_task_its_block_moves(
     ran: Counter[str] = Counter()
     worker, operator = real_make(), real_make()
 
-    async def handler(process: Process) -> None:
-        ran[process.task] += 1
-
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: worker.consume("q", handler))
+        tg.start_soon(lambda: worker.consume("q", counting(ran)))
         await eventually(lambda: _armed(real_client, prefix))
         await operator.fail_worker(worker.worker_id)  # its block is still on the server
         await operator.enqueue("q", "T1")
@@ -271,17 +272,14 @@ async def test_every_task_runs_once_through_a_slow_link(
     proxy.delay, proxy.jitter = 0.002, 0.001
     ran: Counter[str] = Counter()
 
-    async def handler(process: Process) -> None:
-        ran[process.task] += 1
-
     async with (
         Worqr.from_url(proxy.url, prefix=prefix) as worker,
         Worqr.from_url(proxy.url, prefix=prefix) as other,
         Worqr.from_url(proxy.url, prefix=prefix) as producer,
         anyio.create_task_group() as tg,
     ):
-        tg.start_soon(lambda: worker.consume("q", handler, concurrency=2))
-        tg.start_soon(lambda: other.consume("q", handler, concurrency=2))
+        tg.start_soon(lambda: worker.consume("q", counting(ran), concurrency=2))
+        tg.start_soon(lambda: other.consume("q", counting(ran), concurrency=2))
         await eventually(lambda: _armed(real_client, prefix))
         for i in range(40):
             await producer.enqueue("q", f"t{i}")
