@@ -24,7 +24,11 @@ def test_quick_jobs_run_counts_every_job(tmp_path: Path) -> None:
     argv = ["--quick", "--peers", "worqr", "--python", f"worqr={sys.executable}"]
     assert jobs.main([*argv, "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "benchmarks-jobs.json").read_text())
-    assert data["notes"] == {}  # all started once, results right, attempts exact
+    # All started once, results right, attempts exact: no note but a timing one (a
+    # fill that a busy machine slowed past the first due time is the report's to say).
+    notes = data["notes"].get("worqr", [])
+    assert all("the fill ended" in note for note in notes), notes
+    assert set(data["notes"]) <= {"worqr"}
     figures = data["samples"]["worqr"]
     keys = [key for key, _, _ in jobs.figures(jobs.QUICK)]
     for key in keys:

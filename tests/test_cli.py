@@ -440,6 +440,7 @@ traceback.
 """
 
 
+@pytest.mark.timeout(300)  # dozens of commands, each a Python start (under coverage in CI)
 async def test_docs_cli_md_is_real_output(server: EmbeddedServer, raw: Redis) -> None:
     rendered = await render(server.url, raw)
     if os.environ.get("WORQR_WRITE_DOCS"):

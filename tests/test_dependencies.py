@@ -10,6 +10,8 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -27,6 +29,7 @@ from worqr import (
     _ops_deps,
 )
 from worqr._deps import MAX_DEPENDENCIES, MAX_ERROR
+from worqr._wire import Watching, Wire
 
 from .helpers import Factory, eventually, raw_keys
 from .helpers import consuming as consuming_queue
@@ -271,6 +274,46 @@ async def test_a_missed_release_is_made_up_by_the_self_check(
             await pipe.execute()
         assert await b.result(timeout=10) == "B"
     assert ran == ["b"]
+
+
+@pytest.mark.parametrize("waited_before", [False, True])
+async def test_dependents_submitted_inside_the_finish_of_their_dependency_are_released(
+    real_make: Factory, monkeypatch: pytest.MonkeyPatch, waited_before: bool
+) -> None:
+    """The batched finish watches a job's record, and its ``after`` set only once it
+    reads the job as waited for: a dependent submitted right after each of the finish's
+    looks (the record's, then the set's) and before its commit still runs, once, after
+    the job is done."""
+    producer, worker = real_make(), real_make()
+    await producer.submit(Q, "a", job_id="a")
+    dependents = {}
+    if waited_before:
+        dependents[(await producer.submit(Q, "early", after=["a"])).id] = "early"
+    looks: list[Sequence[str]] = []
+    look = Watching.look
+
+    async def racing(self: Watching, watch: Sequence[str], reads: Sequence[Wire]) -> list[Any]:
+        replies = await look(self, watch, reads)
+        if any(key.endswith((":j:a", ":after:a")) for key in watch):
+            looks.append(watch)
+            if len(looks) <= 2:  # inside the finish of "a", before its commit
+                payload = f"late{len(looks)}"
+                dependents[(await producer.submit(Q, payload, after=["a"])).id] = payload
+        return replies
+
+    monkeypatch.setattr(Watching, "look", racing)
+    ran: list[str] = []
+    async with consuming(worker, recorder(ran)):
+        await eventually(lambda: _submitted(dependents, 3 if waited_before else 2))
+        for job_id, payload in dependents.items():
+            assert await producer.job(Q, job_id).result(timeout=10) == payload.upper()
+    assert sorted(ran) == sorted(["a", *dependents.values()])
+    assert len(looks) >= 3  # a commit was given up, and the finish looked again
+    assert (await producer.check()).ok
+
+
+async def _submitted(dependents: dict[str, str], count: int) -> bool:
+    return len(dependents) >= count
 
 
 async def _working(producer: Worqr, worker: Worqr) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
@@ -21,7 +22,17 @@ from redis.exceptions import DataError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worqr._errors import is_wrong_type
-from worqr._wire import exchange, pack, round_trip, transaction, watching
+from worqr._wire import (
+    _parses_in_c,
+    borrowed,
+    exchange,
+    pack,
+    replies,
+    round_trip,
+    send,
+    transaction,
+    watching,
+)
 
 from .proxy import LatencyProxy
 
@@ -44,9 +55,11 @@ ARGS = st.one_of(
     )
 )
 def test_pack_gives_the_bytes_redis_py_sends(commands: list[tuple[object, ...]]) -> None:
-    connection = Connection()
-    expected = b"".join(b"".join(connection.pack_command(*command)) for command in commands)
-    assert pack(commands) == expected  # type: ignore[arg-type]
+    for encoding in ("utf-8", "latin-1"):
+        connection = Connection(encoding=encoding, encoding_errors="replace")
+        packed = (connection.pack_command(*command) for command in commands)
+        expected = b"".join(b"".join(parts) for parts in packed)
+        assert pack(commands, encoding, "replace") == expected  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("arg", [True, None, [1], 1j])
@@ -55,9 +68,17 @@ def test_pack_refuses_what_redis_py_refuses(arg: object) -> None:
         pack([("SET", "k", arg)])  # type: ignore[list-item]
 
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Redis]:
-    one = Redis.from_url(redis_url, decode_responses=True)
+READERS = {"hiredis": _AsyncHiredisParser, "redis-py": _AsyncRESP2Parser}
+"""The two ways replies are read: straight from hiredis's reader (the ``hiredis``
+extra, which the tests install) and through redis-py's ``read_response``."""
+
+
+@pytest.fixture(params=list(READERS))
+async def client(redis_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Redis]:
+    one = Redis.from_url(redis_url, decode_responses=True, parser_class=READERS[request.param])
+    async with borrowed(one) as connection:
+        await connection.connect()
+        assert _parses_in_c(connection) == (request.param == "hiredis")
     yield one
     await one.aclose()
 
@@ -80,6 +101,59 @@ async def test_a_command_refused_as_queued_refuses_the_whole_transaction(
         await transaction(client, [("INCR", f"{prefix}:n"), ("GET",), ("INCR", f"{prefix}:n")])
     assert await client.get(f"{prefix}:n") is None
     assert await transaction(client, [("INCR", f"{prefix}:n")]) == [1]  # still in step
+
+
+async def test_a_connection_killed_mid_exchange_is_an_error_and_is_dropped(
+    client: Redis, redis_url: str, prefix: str
+) -> None:
+    killer = Redis.from_url(redis_url)
+    try:
+        async with borrowed(client) as connection:
+            await connection.connect()
+            (me,) = await exchange(connection, [("CLIENT", "ID")])
+            await send(connection, [("BLPOP", f"{prefix}:never", 5)])
+            await killer.execute_command("CLIENT", "KILL", "ID", me)
+            with pytest.raises(RedisConnectionError):
+                await replies(connection, 1, 10)
+            assert not connection.is_connected
+        assert await round_trip(client, [("ECHO", "again")]) == ["again"]  # a new one
+    finally:
+        await killer.aclose()
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+async def test_pushes_between_replies_go_to_the_push_handler(
+    redis_url: str, prefix: str, reader: str
+) -> None:
+    """On RESP3, an invalidation push of client tracking arrives between replies; it
+    is handed to the parser's push handler, never taken for a reply."""
+    client = Redis.from_url(
+        redis_url, decode_responses=True, protocol=3, parser_class=READERS[reader]
+    )
+    writer = Redis.from_url(redis_url)
+    key = f"{prefix}:tracked"
+    pushes: list[object] = []
+    try:
+        async with borrowed(client) as connection:
+            await connection.connect()
+
+            async def handler(push: object) -> None:
+                pushes.append(push)
+
+            connection._parser.set_invalidation_push_handler(handler)
+            assert await exchange(connection, [("CLIENT", "TRACKING", "ON"), ("GET", key)]) == [
+                "OK",
+                None,
+            ]
+            await writer.set(key, "changed")  # invalidates the key this connection read
+            await asyncio.sleep(0.05)  # the push is on its way before the next replies
+            assert await exchange(connection, [("ECHO", "a"), ("ECHO", "b")]) == ["a", "b"]
+            await exchange(connection, [("CLIENT", "TRACKING", "OFF")])
+        assert pushes, "the invalidation push never reached the handler"
+    finally:
+        await writer.delete(key)
+        await writer.aclose()
+        await client.aclose()
 
 
 async def test_a_round_trip_cancelled_mid_reply_leaves_no_stale_reply_behind(

@@ -2104,7 +2104,7 @@ async def finish_many(
     Ids are never reused and only `dequeue` writes a process list, so an existing
     p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
     LINDEX of `finish`.
-      1. WATCH p:<id1> ... p:<idk> j:<job>... after:<job>...  (the jobs among them)
+      1. WATCH p:<id1> ... p:<idk> j:<job>...  (the jobs among them)
          with it, in the same round trip (covered by it):
          EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
                                              (one round trip), and back to 1 with the
@@ -2112,7 +2112,8 @@ async def finish_many(
          HMGET j:<job> state env waited ...  -> a job that ended meanwhile (cancelled)
                                              keeps its outcome: no writes of step 9 for
                                              it; one that others wait for: step 2
-      2. (waited jobs only) TYPE released;  SMEMBERS after:<job> ...  -> the jobs to
+      2. (waited jobs only) WATCH after:<job> ...;  TYPE released;
+         SMEMBERS after:<job> ...         -> the jobs to
                                              hand on; not sets: UNWATCH, raise
       3. MULTI
       4. DEL p:<id1> ... p:<idk>
@@ -2171,13 +2172,10 @@ class _Batch:
         keys, queue = self.keys, self.queue
         jobs = [p for p, _ in self.ending if p.job_id is not None]
         records = [keys.job(queue, p.job_id) for p in jobs if p.job_id is not None]
-        afters = [keys.after(queue, p.job_id) for p in jobs if p.job_id is not None]
         looks: list[Wire] = [("EXISTS", *self.procs), *(("HMGET", rec, *LOOK) for rec in records)]
         async with watching(node) as session:
             for _ in range(_MAX_ATTEMPTS):
-                exists, *states = _unless_wrong(
-                    await session.look([*self.procs, *records, *afters], looks)
-                )
+                exists, *states = _unless_wrong(await session.look([*self.procs, *records], looks))
                 if exists != len(self.procs):
                     return False
                 ended = {
@@ -2254,13 +2252,21 @@ async def _waiters_of(
     session: Watching, keys: Keys, queue: str, job_ids: Sequence[str]
 ) -> dict[str, list[str]]:
     """Step 2 of `finish_many`: for jobs that others wait for, the members of their
-    ``after`` sets (watched since step 1), once the keys their ends write are found to
-    be sets or absent (a failing write inside MULTI would lose the waiting jobs)."""
+    ``after`` sets, watched from here on, once the keys their ends write are found to
+    be sets or absent (a failing write inside MULTI would lose the waiting jobs).
+
+    Step 1 watches only the records: a job's first dependent adds itself to ``after``
+    and sets ``waited`` in one transaction, which the record's WATCH sees, so the
+    ``after`` set of a job read as not waited for cannot change unseen; watching every
+    job's set there would double the keys of the WATCH, whose cost grows with the
+    square of their number on the server."""
     if not job_ids:
         return {}
     released = keys.released(queue)
     afters = [keys.after(queue, job_id) for job_id in job_ids]
-    kind, *sets = await session.look([], [("TYPE", released), *(("SMEMBERS", a) for a in afters)])
+    kind, *sets = await session.look(
+        afters, [("TYPE", released), *(("SMEMBERS", a) for a in afters)]
+    )
     if text(kind) not in ("set", "none"):
         raise _corrupt(released, text(kind))
     for after, found in zip(afters, sets, strict=True):

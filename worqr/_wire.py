@@ -8,6 +8,13 @@ read in order, raw (no reply callbacks: ``SET`` gives ``OK``, ``HGETALL`` a flat
 list), a command's error in its place. Only commands whose raw replies their callers
 read (counts, strings, arrays of strings, errors) go this way.
 
+Below that, redis-py's per-call machinery is skipped where it costs more than the
+work: the batch is written on the connection's stream and its replies read under one
+asyncio deadline (no task per write, no scope per reply), and with the ``hiredis``
+extra the replies come straight from hiredis's reader. A connection class that reads
+or writes its own way (fakeredis's, or one with health checks due) goes through
+redis-py's own calls.
+
 A connection is borrowed from the client's pool for one exchange (or one WATCH
 session), and dropped, never given back, when an exchange fails or is cancelled
 midway: replies left unread on it would answer the next user's commands.
@@ -15,14 +22,21 @@ midway: replies left unread on it would answer the next user's commands.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import math
+import sys
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
+from redis._parsers import _AsyncHiredisParser
+from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
 from redis.asyncio import Redis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -32,22 +46,52 @@ Wire = tuple[Arg, ...]
 
 def pack(commands: Sequence[Wire], encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """``commands`` in the Redis protocol (RESP arrays of bulk strings), as one buffer;
-    str arguments in ``encoding`` (the client's), numbers in their decimal form."""
+    str arguments in ``encoding`` (the client's), numbers in their decimal form.
+
+    Nearly every argument on the hot paths is an ASCII str (keys, ids, field names) or
+    an int, whose bytes in any ASCII-compatible encoding are its characters: such a
+    batch is built as one str and encoded once, a third faster than an encode per
+    argument. Anything else (bytes, floats, other text) takes the general path."""
+    if _ascii_compatible(encoding):
+        parts: list[str] = []
+        append = parts.append
+        for command in commands:
+            append(f"*{len(command)}\r\n")
+            for arg in command:
+                if type(arg) is str and arg.isascii():  # exact types: this runs per argument
+                    append(f"${len(arg)}\r\n{arg}\r\n")
+                elif type(arg) is int:
+                    digits = str(arg)
+                    append(f"${len(digits)}\r\n{digits}\r\n")
+                else:
+                    return _pack_bytes(commands, encoding, errors)
+        return "".join(parts).encode("ascii")
+    return _pack_bytes(commands, encoding, errors)
+
+
+@functools.cache
+def _ascii_compatible(encoding: str) -> bool:
+    """Whether ``encoding`` writes ASCII text as the same bytes as ASCII does."""
+    try:
+        return "\x00\x7f azAZ09".encode(encoding) == b"\x00\x7f azAZ09"
+    except LookupError:
+        return False  # the general path raises it, as redis-py would
+
+
+def _pack_bytes(commands: Sequence[Wire], encoding: str, errors: str) -> bytes:
+    """`pack` for any arguments: each encoded on its own."""
     parts: list[bytes] = []
     append = parts.append
     for command in commands:
         append(b"*%d\r\n" % len(command))
         for arg in command:
-            kind = type(arg)  # exact types first: this loop runs per argument
-            if kind is str:
-                data = arg.encode(encoding, errors)  # type: ignore[union-attr]
-            elif kind is bytes:
+            if type(arg) is str:
+                data = arg.encode(encoding, errors)
+            elif type(arg) is bytes:
                 data = arg
             else:
                 data = _number(arg, encoding, errors)
-            append(b"$%d\r\n" % len(data))
-            append(data)
-            append(b"\r\n")
+            append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(parts)
 
 
@@ -70,16 +114,28 @@ def _number(arg: object, encoding: str, errors: str) -> bytes:
 async def exchange(connection: AbstractConnection, commands: Sequence[Wire]) -> list[Any]:
     """Send ``commands`` in one write on ``connection`` and read every reply, in
     order, a command's error reply in its place (every reply is read, so the
-    connection stays in step unless the exchange is cut off)."""
-    await send(connection, commands)
-    return await replies(connection, len(commands), connection.socket_timeout)
+    connection stays in step unless the exchange is cut off), the write and the
+    replies within the connection's ``socket_timeout`` together."""
+    limit = connection.socket_timeout
+    try:
+        async with _deadline(limit):
+            await _write(connection, _packed(connection, commands))
+            return await _read(connection, len(commands))
+    except (TimeoutError, asyncio.TimeoutError):
+        await connection.disconnect(nowait=True)
+        raise RedisTimeoutError(f"no reply within {limit} s") from None
 
 
 async def send(connection: AbstractConnection, commands: Sequence[Wire]) -> None:
-    """Write ``commands`` on ``connection`` in one write; their replies are the
-    caller's to read (`replies`)."""
-    encoder = connection.encoder
-    await connection.send_packed_command(pack(commands, encoder.encoding, encoder.encoding_errors))
+    """Write ``commands`` on ``connection`` in one write, within its
+    ``socket_timeout``; their replies are the caller's to read (`replies`)."""
+    limit = connection.socket_timeout
+    try:
+        async with _deadline(limit):
+            await _write(connection, _packed(connection, commands))
+    except (TimeoutError, asyncio.TimeoutError):
+        await connection.disconnect(nowait=True)
+        raise RedisTimeoutError(f"could not write within {limit} s") from None
 
 
 async def replies(connection: AbstractConnection, count: int, limit: float | None) -> list[Any]:
@@ -87,18 +143,130 @@ async def replies(connection: AbstractConnection, count: int, limit: float | Non
     within ``limit`` seconds for them all (None: no limit); past it the connection is
     dropped (its replies would be read by its next user) and `TimeoutError` of
     redis-py raised."""
-    found: list[Any] = []
     try:
-        with anyio.fail_after(limit) if limit else contextlib.nullcontext():
-            for _ in range(count):
-                try:
-                    found.append(await connection.read_response(timeout=math.inf))
-                except ResponseError as exc:
-                    found.append(exc)
-    except TimeoutError:
+        async with _deadline(limit):
+            return await _read(connection, count)
+    except (TimeoutError, asyncio.TimeoutError):
         await connection.disconnect(nowait=True)
         raise RedisTimeoutError(f"no reply within {limit} s") from None
+
+
+def _deadline(limit: float | None) -> AbstractAsyncContextManager[Any]:
+    """A time limit on the block (none for None or 0) that raises `TimeoutError`:
+    asyncio's own where there is one (3.11), which starts no task, unlike
+    ``asyncio.wait_for``, and costs a fraction of a cancel scope."""
+    if not limit:
+        return _NO_LIMIT
+    if sys.version_info >= (3, 11):
+        return asyncio.timeout(limit)
+    return _scope(limit)
+
+
+_NO_LIMIT: AbstractAsyncContextManager[None] = contextlib.nullcontext()
+
+
+@contextlib.asynccontextmanager
+async def _scope(limit: float) -> AsyncIterator[None]:
+    with anyio.fail_after(limit):
+        yield
+
+
+def _packed(connection: AbstractConnection, commands: Sequence[Wire]) -> bytes:
+    encoder = connection.encoder
+    return pack(commands, encoder.encoding, encoder.encoding_errors)
+
+
+async def _write(connection: AbstractConnection, data: bytes) -> None:
+    """Write ``data`` on ``connection``: straight on its stream when it is connected
+    with redis-py's own ``send_packed_command`` and no health checks to run (what
+    that would do, without the task its ``wait_for`` starts per write; the caller's
+    deadline bounds it), else through ``send_packed_command``."""
+    writer = getattr(connection, "_writer", None)
+    if (
+        not isinstance(writer, asyncio.StreamWriter)  # such as fakeredis's stand-in
+        or not connection.is_connected
+        or connection.health_check_interval
+        or type(connection).send_packed_command is not AbstractConnection.send_packed_command
+    ):
+        await connection.send_packed_command(data)
+        return
+    try:
+        writer.write(data)
+        await writer.drain()
+    except OSError as exc:
+        await connection.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while writing: {exc.args}") from exc
+    except BaseException:
+        await connection.disconnect(nowait=True)  # cut off midway: its state is unknown
+        raise
+
+
+async def _read(connection: AbstractConnection, count: int) -> list[Any]:
+    """The next ``count`` replies on ``connection``, errors in place, no time limit
+    of their own."""
+    if _parses_in_c(connection):
+        return await _replies_from_hiredis(connection, count)
+    found: list[Any] = []
+    for _ in range(count):
+        try:
+            found.append(await connection.read_response(timeout=math.inf))
+        except ResponseError as exc:
+            found.append(exc)
     return found
+
+
+def _parses_in_c(connection: AbstractConnection) -> bool:
+    """Whether ``connection`` reads its replies through hiredis (the ``hiredis``
+    extra), with the parser attributes `_replies_from_hiredis` relies on, and redis-py's
+    own ``read_response`` (a connection class that reads otherwise, such as
+    fakeredis's, keeps its way)."""
+    parser = getattr(connection, "_parser", None)
+    return (
+        type(connection).read_response is AbstractConnection.read_response
+        and type(parser) is _AsyncHiredisParser
+        and getattr(parser, "_reader", None) is not None
+        and hasattr(parser, "read_from_socket")
+        and hasattr(parser, "handle_push_response")
+    )
+
+
+async def _replies_from_hiredis(connection: AbstractConnection, count: int) -> list[Any]:
+    """`replies` straight from the hiredis reader of ``connection``'s parser: its
+    ``gets`` in a loop, fed from the socket when it runs dry. The same replies as
+    `AbstractConnection.read_response` gives one by one (an error reply as an
+    exception object; a connection error raised, the connection dropped; a RESP3 push
+    handed to the parser's push handler), without its per-reply timeout scope and
+    bookkeeping, which cost more than the parse."""
+    parser: Any = connection._parser
+    gets = parser._reader.gets
+    push = getattr(parser, "_hiredis_PushNotificationType", None) or _NoPush
+    found: list[Any] = []
+    append = found.append
+    try:
+        while len(found) < count:
+            reply = gets()
+            if reply is _NOT_ENOUGH_DATA:
+                await parser.read_from_socket()
+                continue
+            if isinstance(reply, RedisConnectionError):  # LOADING, MASTERDOWN and the like
+                raise reply
+            if type(reply) is list and reply and isinstance(reply[0], RedisConnectionError):
+                raise reply[0]
+            if isinstance(reply, push):  # not a reply: an out-of-band message
+                await parser.handle_push_response(reply)
+                continue
+            append(reply)
+    except OSError as exc:
+        await connection.disconnect(nowait=True)
+        raise RedisConnectionError(f"Error while reading: {exc.args}") from exc
+    except BaseException:
+        await connection.disconnect(nowait=True)
+        raise
+    return found
+
+
+class _NoPush:
+    """Stands for the push message type of a hiredis without one (older than 3.2)."""
 
 
 async def round_trip(client: Redis, commands: Sequence[Wire]) -> list[Any]:
@@ -116,21 +284,32 @@ async def round_trip(client: Redis, commands: Sequence[Wire]) -> list[Any]:
         return replies
 
 
-@contextlib.asynccontextmanager
-async def borrowed(client: Redis) -> AsyncIterator[AbstractConnection]:
-    """A connection of ``client``'s pool for the block, given back at its end; dropped
-    first if the block failed or was cancelled (replies may be left unread on it)."""
-    pool = client.connection_pool
-    connection = await pool.get_connection()
-    try:
-        yield connection
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await connection.disconnect(nowait=True)
-        raise
-    finally:
-        with anyio.CancelScope(shield=True):
-            await pool.release(connection)
+def borrowed(client: Redis) -> _Borrowed:
+    """A connection of ``client``'s pool for an ``async with`` block, given back at its
+    end; dropped first if the block failed or was cancelled (replies may be left
+    unread on it)."""
+    return _Borrowed(client.connection_pool)
+
+
+class _Borrowed:
+    """`borrowed`'s context manager: a class, not a generator, as it is entered once
+    per exchange on the hot paths."""
+
+    __slots__ = ("_connection", "_pool")
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+
+    async def __aenter__(self) -> AbstractConnection:
+        connection: AbstractConnection = await self._pool.get_connection()
+        self._connection = connection
+        return connection
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        with anyio.CancelScope(shield=True):  # the pool must get it back, whatever comes
+            if kind is not None:
+                await self._connection.disconnect(nowait=True)
+            await self._pool.release(self._connection)
 
 
 def executed(replies: Sequence[Any]) -> list[Any] | None:
