@@ -55,7 +55,8 @@ ARGS = st.one_of(
     )
 )
 def test_pack_gives_the_bytes_redis_py_sends(commands: list[tuple[object, ...]]) -> None:
-    for encoding in ("utf-8", "latin-1"):
+    # ASCII-compatible ones, and ones that write some ASCII characters otherwise
+    for encoding in ("utf-8", "latin-1", "shift_jisx0213", "hz"):
         connection = Connection(encoding=encoding, encoding_errors="replace")
         packed = (connection.pack_command(*command) for command in commands)
         expected = b"".join(b"".join(parts) for parts in packed)
@@ -154,6 +155,36 @@ async def test_pushes_between_replies_go_to_the_push_handler(
         await writer.delete(key)
         await writer.aclose()
         await client.aclose()
+
+
+async def test_a_watch_session_with_health_checks_never_commits_on_a_new_connection(
+    redis_url: str, prefix: str
+) -> None:
+    """A client with health checks reads through redis-py, which puts the next check
+    off with each reply: a commit right after a look sends no PING, so a connection
+    lost in between is an error, never a silent reconnect that drops the WATCH."""
+    client = Redis.from_url(
+        redis_url, health_check_interval=2.0, retry=Retry(NoBackoff(), 3), max_connections=1
+    )
+    other = Redis.from_url(redis_url)
+    key = f"{prefix}:k"
+    try:
+        with pytest.raises(RedisConnectionError):
+            async with watching(client) as session:
+                assert not _parses_in_c(session.connection)
+                await asyncio.sleep(2.1)  # past the interval: this look PINGs first
+                await session.look([key], [("GET", key)])
+                await asyncio.sleep(1.2)
+                me, _ = await session.look([key], [("CLIENT", "ID"), ("GET", key)])
+                await other.execute_command("CLIENT", "KILL", "ID", me)
+                await other.set(key, "theirs")
+                await asyncio.sleep(1.0)  # past the PING's interval, 1 s short of the reads'
+                await session.commit([("SET", key, "mine")])
+        assert await other.get(key) == b"theirs"
+    finally:
+        await other.delete(key)
+        await client.aclose()
+        await other.aclose()
 
 
 async def test_a_round_trip_cancelled_mid_reply_leaves_no_stale_reply_behind(

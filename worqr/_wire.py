@@ -71,11 +71,15 @@ def pack(commands: Sequence[Wire], encoding: str = "utf-8", errors: str = "stric
 
 @functools.cache
 def _ascii_compatible(encoding: str) -> bool:
-    """Whether ``encoding`` writes ASCII text as the same bytes as ASCII does."""
+    """Whether ``encoding`` writes every ASCII character as ASCII does (not so, say,
+    Shift JIS 2004's backslash and tilde)."""
     try:
-        return "\x00\x7f azAZ09".encode(encoding) == b"\x00\x7f azAZ09"
-    except LookupError:
-        return False  # the general path raises it, as redis-py would
+        return _ASCII.decode("ascii").encode(encoding) == _ASCII
+    except (LookupError, UnicodeError):
+        return False  # the general path encodes (or refuses) each argument as redis-py
+
+
+_ASCII = bytes(range(128))
 
 
 def _pack_bytes(commands: Sequence[Wire], encoding: str, errors: str) -> bytes:
@@ -117,6 +121,8 @@ async def exchange(connection: AbstractConnection, commands: Sequence[Wire]) -> 
     connection stays in step unless the exchange is cut off), the write and the
     replies within the connection's ``socket_timeout`` together."""
     limit = connection.socket_timeout
+    if not connection.is_connected:  # a resend: connecting has a time limit of its own
+        await connection.connect()
     try:
         async with _deadline(limit):
             await _write(connection, _packed(connection, commands))
@@ -130,6 +136,8 @@ async def send(connection: AbstractConnection, commands: Sequence[Wire]) -> None
     """Write ``commands`` on ``connection`` in one write, within its
     ``socket_timeout``; their replies are the caller's to read (`replies`)."""
     limit = connection.socket_timeout
+    if not connection.is_connected:
+        await connection.connect()
     try:
         async with _deadline(limit):
             await _write(connection, _packed(connection, commands))
@@ -153,11 +161,12 @@ async def replies(connection: AbstractConnection, count: int, limit: float | Non
 
 def _deadline(limit: float | None) -> AbstractAsyncContextManager[Any]:
     """A time limit on the block (none for None or 0) that raises `TimeoutError`:
-    asyncio's own where there is one (3.11), which starts no task, unlike
-    ``asyncio.wait_for``, and costs a fraction of a cancel scope."""
+    asyncio's own where it is sound (3.11.3: earlier ones could turn a time-out into a
+    cancellation), which starts no task, unlike ``asyncio.wait_for``, and costs a
+    fraction of a cancel scope."""
     if not limit:
         return _NO_LIMIT
-    if sys.version_info >= (3, 11):
+    if sys.version_info >= (3, 11) and sys.version_info[:3] >= (3, 11, 3):
         return asyncio.timeout(limit)
     return _scope(limit)
 
@@ -219,10 +228,13 @@ def _parses_in_c(connection: AbstractConnection) -> bool:
     """Whether ``connection`` reads its replies through hiredis (the ``hiredis``
     extra), with the parser attributes `_replies_from_hiredis` relies on, and redis-py's
     own ``read_response`` (a connection class that reads otherwise, such as
-    fakeredis's, keeps its way)."""
+    fakeredis's, keeps its way). A connection with health checks keeps redis-py's
+    reads too: they put off its next check, which would otherwise PING, and on a lost
+    connection reconnect, in the middle of a WATCH session."""
     parser = getattr(connection, "_parser", None)
     return (
-        type(connection).read_response is AbstractConnection.read_response
+        not connection.health_check_interval
+        and type(connection).read_response is AbstractConnection.read_response
         and type(parser) is _AsyncHiredisParser
         and getattr(parser, "_reader", None) is not None
         and hasattr(parser, "read_from_socket")
@@ -307,9 +319,11 @@ class _Borrowed:
 
     async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
         with anyio.CancelScope(shield=True):  # the pool must get it back, whatever comes
-            if kind is not None:
-                await self._connection.disconnect(nowait=True)
-            await self._pool.release(self._connection)
+            try:
+                if kind is not None:
+                    await self._connection.disconnect(nowait=True)
+            finally:
+                await self._pool.release(self._connection)
 
 
 def executed(replies: Sequence[Any]) -> list[Any] | None:
