@@ -12,8 +12,8 @@ Below that, redis-py's per-call machinery is skipped where it costs more than th
 work: the batch is written on the connection's stream and its replies read under one
 asyncio deadline (no task per write, no scope per reply), and with the ``hiredis``
 extra the replies come straight from hiredis's reader. A connection class that reads
-or writes its own way (fakeredis's, or one with health checks due) goes through
-redis-py's own calls.
+or writes its own way (fakeredis's) goes through redis-py's own calls. No exchange
+runs redis-py's health check first (see `_write`).
 
 A connection is borrowed from the client's pool for one exchange (or one WATCH
 session), and dropped, never given back, when an exchange fails or is cancelled
@@ -187,17 +187,18 @@ def _packed(connection: AbstractConnection, commands: Sequence[Wire]) -> bytes:
 
 async def _write(connection: AbstractConnection, data: bytes) -> None:
     """Write ``data`` on ``connection``: straight on its stream when it is connected
-    with redis-py's own ``send_packed_command`` and no health checks to run (what
-    that would do, without the task its ``wait_for`` starts per write; the caller's
-    deadline bounds it), else through ``send_packed_command``."""
+    with redis-py's own ``send_packed_command`` (what that would do, without the task
+    its ``wait_for`` starts per write; the caller's deadline bounds it), else through
+    ``send_packed_command``. Never with a health check first: a check that finds the
+    connection lost reconnects in silence, which would let a WATCH session's commit
+    run on a new connection without its WATCH; a lost connection is an error here."""
     writer = getattr(connection, "_writer", None)
     if (
         not isinstance(writer, asyncio.StreamWriter)  # such as fakeredis's stand-in
         or not connection.is_connected
-        or connection.health_check_interval
         or type(connection).send_packed_command is not AbstractConnection.send_packed_command
     ):
-        await connection.send_packed_command(data)
+        await connection.send_packed_command(data, check_health=False)
         return
     try:
         writer.write(data)
@@ -228,13 +229,10 @@ def _parses_in_c(connection: AbstractConnection) -> bool:
     """Whether ``connection`` reads its replies through hiredis (the ``hiredis``
     extra), with the parser attributes `_replies_from_hiredis` relies on, and redis-py's
     own ``read_response`` (a connection class that reads otherwise, such as
-    fakeredis's, keeps its way). A connection with health checks keeps redis-py's
-    reads too: they put off its next check, which would otherwise PING, and on a lost
-    connection reconnect, in the middle of a WATCH session."""
+    fakeredis's, keeps its way)."""
     parser = getattr(connection, "_parser", None)
     return (
-        not connection.health_check_interval
-        and type(connection).read_response is AbstractConnection.read_response
+        type(connection).read_response is AbstractConnection.read_response
         and type(parser) is _AsyncHiredisParser
         and getattr(parser, "_reader", None) is not None
         and hasattr(parser, "read_from_socket")
