@@ -52,6 +52,11 @@ HANDLERS = textwrap.dedent(
             return "sent " + process.task
 
     mailer = Mailer()
+
+    async def frozen(process):
+        import gc
+
+        return str(gc.get_freeze_count() > 0)
     """
 )
 
@@ -172,6 +177,18 @@ async def test_a_method_of_an_instance_is_a_handler_and_q_silences_the_task_line
         assert await job.result(timeout=20) == "sent zoe"
         await stop(process, signal.SIGINT)
     assert ": done (" not in log.read_text() and " starts on " not in log.read_text()
+
+
+async def test_the_worker_freezes_what_is_alive_at_start_out_of_the_collector(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    """What the command loaded (its module, the client) is out of the garbage
+    collector's full collections (`gc.freeze`) by the time a handler runs."""
+    job = await peer.submit("q", "t")
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:frozen", "q"]
+    async with command([*argv, "-q"], app, tmp_path / "worker.log") as process:
+        assert await job.result(timeout=20) == "True"
+        await stop(process)
 
 
 async def test_run_refuses_a_command_that_does_not_exist_before_taking_work(

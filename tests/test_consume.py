@@ -86,6 +86,45 @@ async def test_concurrency_is_respected(make: Factory) -> None:
     assert peak == 4
 
 
+async def test_a_slot_takes_the_next_task_while_its_last_end_is_written(
+    make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog is taken on as soon as handlers return: the next take overlaps the
+    transaction that ends their tasks (held here), up to `concurrency` ends on their
+    way; then the takes wait for the ends, and every task is ended exactly once. (No
+    periodic look comes within the test: only the handlers' returns start takes.)"""
+    worker = make(cleanup_interval=30.0)
+    ran: list[str] = []
+    release = anyio.Event()
+    settle = worker._settle
+
+    async def held(process: Process, outcome: str, *args: object, **kwargs: object) -> None:
+        await release.wait()
+        await settle(process, outcome, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker, "_settle", held)
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    async def ended() -> bool:
+        return not await worker.get_processes("jobs")
+
+    await worker.enqueue("jobs", [str(i) for i in range(6)])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=2))
+        await eventually(lambda: len(ran) == 4)  # two rounds, no end written
+        await anyio.sleep(0.3)  # a third round would come now: the held ends stop it
+        assert len(ran) == 4
+        assert len(await worker.get_processes("jobs")) == 4
+        release.set()
+        await eventually(lambda: len(ran) == 6)
+        await eventually(ended)
+        tg.cancel_scope.cancel()
+    assert ran == [str(i) for i in range(6)]
+    assert await worker.get_tasks("jobs") == []
+
+
 async def test_failing_handler_moves_task_to_failed_list_without_spinning(
     make: Factory, caplog: pytest.LogCaptureFixture
 ) -> None:

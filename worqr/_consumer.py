@@ -87,6 +87,7 @@ class Consumer:
         self._concurrency = concurrency
         self._running: dict[str, tuple[Process, asyncio.Task[None]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # handler tasks not yet done
+        self._settling = 0  # handlers returned whose end is not yet written
         self._ending: dict[str, str] = {}
         self._wake = anyio.Event()
         self._look = anyio.Event()
@@ -218,7 +219,7 @@ class Consumer:
         backoff = 0.05
         while self._taking:
             self._wake = anyio.Event()
-            free = self._concurrency - len(self._running) - (self._blocker is not None)
+            free = self._free()
             try:
                 if free > 0 and await self._take_and_start(free):
                     continue  # every free slot was filled: more may wait
@@ -256,12 +257,21 @@ class Consumer:
         pushed, without the round trip after a ``work`` event."""
         if (
             self._blocker is None
-            and len(self._running) + self._asked < self._concurrency
+            and self._free() > self._asked
             and self._host._can_block(self.queue)
         ):
             self._blocked_cancels, self._claimed = set(), False
             self._block_waiting = True
             self._blocker = asyncio.get_running_loop().create_task(self._block())
+
+    def _free(self) -> int:
+        """Slots free for new tasks: the running handlers and the blocking take hold
+        one each. A returned handler's slot is free before its end is written (the next
+        take overlaps that end's transaction), but no more than `concurrency` ends may
+        be on their way: a slow end holds the takes back instead of letting processes
+        pile up."""
+        held = len(self._running) + (self._blocker is not None)
+        return min(self._concurrency - held, 2 * self._concurrency - held - self._settling)
 
     def _received(self) -> None:
         """The blocking take received its task: no cancelling it from now on."""
@@ -424,12 +434,16 @@ class Consumer:
         if outcome in ("fail", _TIMED_OUT, _REFUSED) or (outcome == "retry" and last):
             self._failed(process, detail or "", error, last=last)
         self._running.pop(process.id, None)
+        self._settling += 1
+        if self._backlog:  # the next take overlaps this end's transaction
+            self._wake.set()
         try:  # no shield needed: only `_end` cancels this task, and not after the pop
             await self._host._settle(process, outcome, detail, trace=trace, delay=delay)
         finally:
+            self._settling -= 1
             if not self._running:
                 self._idle.set()
-            if self._backlog:
+            if self._backlog:  # a take held back by ends on their way may go now
                 self._wake.set()
 
     def _failed(

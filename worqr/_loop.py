@@ -1,9 +1,12 @@
 """Running worqr's own entry points (the command line, the demo): under uvloop
-when it is installed (the ``uvloop`` extra), else on the standard asyncio loop.
-The library itself never chooses an event loop; its users' programs do."""
+when it is installed (the ``uvloop`` extra), else on the standard asyncio loop, and
+with the start-up heap frozen for the worker commands (`freeze_heap`). The library
+itself never chooses an event loop or touches the garbage collector; its users'
+programs do."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,3 +20,17 @@ def run(main: Callable[..., Awaitable[_T]], *args: Any) -> _T:
     """`anyio.run` on asyncio, with uvloop if available."""
     options = {"use_uvloop": True} if importlib.util.find_spec("uvloop") else {}
     return anyio.run(main, *args, backend="asyncio", backend_options=options)
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive (the modules, the handler's code,
+    the client) out of the collector's sight (`gc.freeze`).
+
+    A worker's tasks outlive the young generations (a handler runs for a while), so
+    every few thousand tasks the collector walks the whole heap; at tens of
+    thousands of tasks a second that walk over objects that live as long as the
+    process took about a tenth of a drain's time. Frozen objects are never
+    collected: cyclic garbage made before the call would stay, hence the collection
+    first."""
+    gc.collect()
+    gc.freeze()
