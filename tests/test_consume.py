@@ -308,6 +308,45 @@ async def test_blocked_event_loop_fences_the_late_finish(make: Factory) -> None:
     assert await worker.get_tasks("jobs") == []
 
 
+async def test_shutdown_waits_for_an_end_on_its_way_before_handing_back(
+    make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that returned is not running, but its end may still be on its way:
+    the shutdown waits for every such end (here b's, still held when a's is written),
+    and does not hand back a task whose handler finished (it would run again)."""
+    worker, peer = make(), make()
+    ran: list[str] = []
+    go = {"a": anyio.Event(), "b": anyio.Event()}
+    settle = worker._settle
+
+    async def held(process: Process, outcome: str, *args: object, **kwargs: object) -> None:
+        await go[process.task].wait()
+        await settle(process, outcome, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker, "_settle", held)
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    await peer.enqueue("jobs", ["a", "b"])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "jobs", handler)
+        await eventually(lambda: ran == ["a", "b"])  # both ends held
+        tg.start_soon(worker.shutdown, 5.0)
+        go["a"].set()
+
+        async def only_b_left() -> bool:  # a's end is written, b's is not
+            return [p.task for p in await peer.get_processes("jobs")] == ["b"]
+
+        await eventually(only_b_left)
+        await anyio.sleep(0.2)  # a shutdown that did not wait would hand b back now
+        go["b"].set()
+    assert ran == ["a", "b"]
+    assert await peer.get_tasks("jobs") == []
+    assert await peer.get_processes("jobs") == []
+    assert await peer.get_workers() == []
+
+
 async def test_shutdown_waits_grace_then_hands_back(make: Factory) -> None:
     worker, peer = make(), make()
     quick_done = anyio.Event()

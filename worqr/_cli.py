@@ -530,15 +530,15 @@ async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     if found is None:  # before any task is taken: each one would fail
         where = "is not an executable file" if os.sep in program else "is not found on PATH"
         raise argparse.ArgumentTypeError(f"the COMMAND {program!r} {where}")
-    _loop.freeze_heap()
-    code: int = await serve(
-        worqr,
-        args.queue,
-        args.command,
-        concurrency=args.concurrency,
-        grace=args.grace,
-        quiet=args.quiet,
-    )
+    with _loop.frozen_heap():
+        code: int = await serve(
+            worqr,
+            args.queue,
+            args.command,
+            concurrency=args.concurrency,
+            grace=args.grace,
+            quiet=args.quiet,
+        )
     return code
 
 
@@ -546,16 +546,16 @@ async def cmd_worker(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int
     from ._pyworker import serve
 
     queues = list(dict.fromkeys(check_queue(queue) for queue in args.queues))  # once each
-    _loop.freeze_heap()
-    code: int = await serve(
-        worqr,
-        queues,
-        args.loaded,
-        concurrency=args.concurrency,
-        priority=args.priority,
-        grace=args.grace,
-        quiet=args.quiet,
-    )
+    with _loop.frozen_heap():
+        code: int = await serve(
+            worqr,
+            queues,
+            args.loaded,
+            concurrency=args.concurrency,
+            priority=args.priority,
+            grace=args.grace,
+            quiet=args.quiet,
+        )
     return code
 
 

@@ -189,8 +189,14 @@ class Consumer:
         entry[1].cancel()
 
     async def wait_idle(self) -> None:
-        """Wait until no handler runs."""
+        """Wait until no handler runs and no handler's end is on its way (a shutdown
+        that handed back a process whose end was still being written would have its
+        task run again)."""
         await self._idle.wait()
+
+    def _check_idle(self) -> None:
+        if not self._running and not self._settling:
+            self._idle.set()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -248,8 +254,7 @@ class Consumer:
             for process in reversed([process for process, _ in self._running.values()]):
                 self._running.pop(process.id, None)
                 await self._host._settle(process, "requeue", None)
-        if not self._running:
-            self._idle.set()
+        self._check_idle()
 
     def _arm(self) -> None:
         """With a slot free and the queue found empty, wait for its next task in a
@@ -389,11 +394,12 @@ class Consumer:
             # queue (fenced: not if a peer did that first), as at a fence of the whole
             # worker; the next heartbeat may well succeed, and then nothing else would.
             self._running.pop(process.id, None)
+            self._settling += 1
             try:
                 await self._host._settle(process, "requeue", None)
             finally:
-                if not self._running:
-                    self._idle.set()
+                self._settling -= 1
+                self._check_idle()
             return
         outcome, detail, trace, delay = "finish", None, "", None
         error: BaseException | None = None  # what the handler raised, for the log
@@ -441,8 +447,7 @@ class Consumer:
             await self._host._settle(process, outcome, detail, trace=trace, delay=delay)
         finally:
             self._settling -= 1
-            if not self._running:
-                self._idle.set()
+            self._check_idle()
             if self._backlog:  # a take held back by ends on their way may go now
                 self._wake.set()
 
