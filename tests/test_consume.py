@@ -26,6 +26,20 @@ def holding(started: anyio.Event) -> Callable[[Process], Awaitable[None]]:
     return handler
 
 
+def hold_ends(
+    worker: Worqr, monkeypatch: pytest.MonkeyPatch, gate: Callable[[Process], anyio.Event]
+) -> None:
+    """Hold the end of each of ``worker``'s processes until ``gate(process)`` is set;
+    the real end follows."""
+    settle = worker._settle
+
+    async def held(process: Process, outcome: str, *args: object, **kwargs: object) -> None:
+        await gate(process).wait()
+        await settle(process, outcome, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker, "_settle", held)
+
+
 async def test_handlers_finish_with_their_result(make: Factory) -> None:
     worker, producer = make(), make()
     done: list[dict[str, str]] = []
@@ -96,13 +110,7 @@ async def test_a_slot_takes_the_next_task_while_its_last_end_is_written(
     worker = make(cleanup_interval=30.0)
     ran: list[str] = []
     release = anyio.Event()
-    settle = worker._settle
-
-    async def held(process: Process, outcome: str, *args: object, **kwargs: object) -> None:
-        await release.wait()
-        await settle(process, outcome, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(worker, "_settle", held)
+    hold_ends(worker, monkeypatch, lambda process: release)
 
     async def handler(process: Process) -> None:
         ran.append(process.task)
@@ -317,13 +325,7 @@ async def test_shutdown_waits_for_an_end_on_its_way_before_handing_back(
     worker, peer = make(), make()
     ran: list[str] = []
     go = {"a": anyio.Event(), "b": anyio.Event()}
-    settle = worker._settle
-
-    async def held(process: Process, outcome: str, *args: object, **kwargs: object) -> None:
-        await go[process.task].wait()
-        await settle(process, outcome, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(worker, "_settle", held)
+    hold_ends(worker, monkeypatch, lambda process: go[process.task])
 
     async def handler(process: Process) -> None:
         ran.append(process.task)

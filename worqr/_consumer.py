@@ -393,13 +393,7 @@ class Consumer:
             # already, so its handler must not start. It goes back to the front of its
             # queue (fenced: not if a peer did that first), as at a fence of the whole
             # worker; the next heartbeat may well succeed, and then nothing else would.
-            self._running.pop(process.id, None)
-            self._settling += 1
-            try:
-                await self._host._settle(process, "requeue", None)
-            finally:
-                self._settling -= 1
-                self._check_idle()
+            await self._returned(process, "requeue", None)
             return
         outcome, detail, trace, delay = "finish", None, "", None
         error: BaseException | None = None  # what the handler raised, for the log
@@ -439,9 +433,22 @@ class Consumer:
         last = process.attempt >= process.max_attempts or outcome == _REFUSED
         if outcome in ("fail", _TIMED_OUT, _REFUSED) or (outcome == "retry" and last):
             self._failed(process, detail or "", error, last=last)
+        await self._returned(process, outcome, detail, trace=trace, delay=delay)
+
+    async def _returned(
+        self,
+        process: Process,
+        outcome: str,
+        detail: str | None,
+        *,
+        trace: str = "",
+        delay: float | None = None,
+    ) -> None:
+        """A handler's slot is free, its end on its way: the next take may overlap
+        that end's transaction (see `_free`)."""
         self._running.pop(process.id, None)
         self._settling += 1
-        if self._backlog:  # the next take overlaps this end's transaction
+        if self._backlog:
             self._wake.set()
         try:  # no shield needed: only `_end` cancels this task, and not after the pop
             await self._host._settle(process, outcome, detail, trace=trace, delay=delay)
