@@ -45,10 +45,11 @@ from ._errors import (
 from ._flow import Flow, Paused, Throttled, read_flow
 from ._jobs import Backoff
 from ._keys import Keys
+from ._lane import Lane
 from ._levels import LEVELS, Picker
 from ._models import FailedTask, Process, WorkerInfo, readable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
-from ._wire import Watching, Wire, exchange, round_trip, transaction, watching
+from ._wire import Watching, Wire, exchange, transaction, watching
 
 _T = TypeVar("_T")
 _MAX_ATTEMPTS = 100
@@ -414,9 +415,10 @@ Push = tuple[str, str, Sequence[str]]
 
 
 @redis_boundary
-async def enqueue_many(r: Redis, keys: Keys, pushes: Sequence[Push]) -> list[BackendError | None]:
-    """Several callers' pushes (as `enqueue`'s, no ``wait``) in one round trip to one
-    server; each push's outcome, in order: None, or the error of its own commands.
+async def enqueue_many(lane: Lane, keys: Keys, pushes: Sequence[Push]) -> list[BackendError | None]:
+    """Several callers' pushes (as `enqueue`'s, no ``wait``) in one round trip on
+    ``lane`` (one server); each push's outcome, in order: None, or the error of its own
+    commands.
 
     The pushes to one list become one RPUSH in call order (one event for them all),
     so each list gets its tasks as the calls one after the other would have given
@@ -437,7 +439,7 @@ async def enqueue_many(r: Redis, keys: Keys, pushes: Sequence[Push]) -> list[Bac
             announce(keys, queue, level, len(tasks)),
         ]
     commands.append(("SADD", keys.queues, *dict.fromkeys(queue for queue, _, _ in pushes)))
-    replies = await round_trip(r, commands)
+    replies = await lane.round_trip(commands)
     failed: dict[tuple[str, str], ResponseError] = {}
     for index, pushed in enumerate(lists):
         pushed_reply, event_reply = replies[2 * index], replies[2 * index + 1]

@@ -22,6 +22,7 @@ from typing_extensions import Self
 
 from . import _ops, _ops_block, _ops_deps, _ops_flow, _ops_schedules
 from ._batch import GroupCommit
+from ._lane import Lane
 from ._check import CheckReport, Problem, inspect
 from ._clock import ServerClock
 from ._connections import (
@@ -209,6 +210,7 @@ class Worqr:
         self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         # Plain enqueues that overlap in time share a round trip (see `enqueue`).
         self._pushes = GroupCommit(self._push_many, _ENQUEUE_BATCH, eager=True, withdraw=True)
+        self._lane = Lane(self._redis) if isinstance(self._redis, Redis) else None
         self._consumers: set[Consumer] = set()
         self._lost = False
         self._recovering = anyio.Lock()
@@ -375,6 +377,8 @@ class Worqr:
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(_CLOSE_LIMIT):  # enqueues made before the close
                 await self._pushes.settled()
+            if self._lane is not None:
+                await self._lane.aclose()
             async with contextlib.AsyncExitStack() as closing:  # closes in reverse order
                 for resource in reversed(self._owned):
                     closing.push_async_callback(resource.aclose)
@@ -468,8 +472,8 @@ class Worqr:
             raise failed
 
     async def _push_many(self, pushes: Sequence[_ops.Push]) -> list[BackendError | None]:
-        assert isinstance(self._redis, Redis)  # a Cluster's calls go alone: see `enqueue`
-        return await _ops.enqueue_many(self._redis, self._keys, pushes)
+        assert self._lane is not None  # a Cluster's calls go alone: see `enqueue`
+        return await _ops.enqueue_many(self._lane, self._keys, pushes)
 
     def _require_replicas(self, confirmed: int | None, what: str) -> None:
         """Raise `ReplicationError` if fewer replicas than ``wait_replicas`` confirmed
