@@ -18,7 +18,7 @@ from worqr._keys import Keys
 from worqr._ops import DONE_FIELD_LIMIT, done_messages, done_record
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, Factory, eventually
+from .helpers import RELAXED, Factory, eventually
 
 
 async def test_sync_and_async_listeners_receive_events(make: Factory) -> None:
@@ -157,8 +157,8 @@ async def test_a_done_event_of_a_task_over_32_mb_disconnects_no_listener(
     prefix = f"big{uuid.uuid4().hex[:8]}"
     heard: list[tuple[str, str]] = []
     async with (
-        Worqr.from_url(server.url, prefix=prefix, **FAST) as watcher,
-        Worqr.from_url(server.url, prefix=prefix, **FAST) as worker,
+        Worqr.from_url(server.url, prefix=prefix, **RELAXED) as watcher,
+        Worqr.from_url(server.url, prefix=prefix, **RELAXED) as worker,  # 33 MB take a while
     ):
         await watcher.on("jobs", lambda kind, message: heard.append((kind, message)))
         await worker.start_worker()

@@ -113,13 +113,15 @@ class _Waiter:
         self._pool = pool
         self.timeout = timeout
         self._released = asyncio.Condition()
+        self.keepers: set[Callable[[], None]] = set()  # see `keepers`
 
     async def take(self, take: Callable[[], Awaitable[AbstractConnection]]) -> AbstractConnection:
-        """A connection from ``take`` (the pool's own), waiting while the pool is full."""
+        """A connection from ``take`` (the pool's own), waiting while the pool is full
+        (and asking the keepers to give theirs back)."""
         try:
             return await take()
         except MaxConnectionsError:
-            pass
+            self._ask_keepers()
         deadline = None if self.timeout is None else anyio.current_time() + self.timeout
         while True:
             pause = _RECHECK if deadline is None else min(_RECHECK, deadline - anyio.current_time())
@@ -132,7 +134,11 @@ class _Waiter:
             try:
                 return await take()
             except MaxConnectionsError:  # taken by a caller that did not have to wait
-                continue
+                self._ask_keepers()
+
+    def _ask_keepers(self) -> None:
+        for give_back in list(self.keepers):
+            give_back()
 
     async def released(self) -> None:
         """Wake one waiter: a connection was given back."""
@@ -432,6 +438,20 @@ def blocking_client(client: Client) -> Redis | None:
 
 
 _UNBOUNDED = 2**31
+
+
+def keepers(pool: ConnectionPoolInterface) -> set[Callable[[], None]] | None:
+    """Where something that keeps one of ``pool``'s connections between its uses (a
+    `Lane`) puts the call that gives it back: a pool of worqr's own (`WaitingPool`,
+    `WaitingSentinelPool`) makes them all when a borrower finds it full. A pool that
+    is never full in practice (redis-py's default size) needs no call: a set nobody
+    reads. None for a bounded pool of redis-py's own, which fails or blocks a
+    borrower without asking: its connections are not to be kept."""
+    if isinstance(pool, WaitingPool | WaitingSentinelPool):
+        return pool._waiter.keepers
+    if getattr(pool, "max_connections", 0) >= _UNBOUNDED:
+        return set()
+    return None
 
 
 def decoding_client(client: Client) -> Client:

@@ -22,7 +22,6 @@ from typing_extensions import Self
 
 from . import _ops, _ops_block, _ops_deps, _ops_flow, _ops_schedules
 from ._batch import GroupCommit
-from ._lane import Lane
 from ._check import CheckReport, Problem, inspect
 from ._clock import ServerClock
 from ._connections import (
@@ -57,6 +56,7 @@ from ._jobs import Backoff, Job, JobInfo, JobStatus
 from ._jobs import Options as JobOptions
 from ._jobs import options as job_options
 from ._keys import Keys
+from ._lane import Lane
 from ._levels import Picker, check_policy, check_priority
 from ._log import PeerLog
 from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo, readable
