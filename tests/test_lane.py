@@ -1,14 +1,14 @@
-"""A lane (enqueue's kept connection): it reuses one connection across round trips,
-gives it back within its hold, and at once when a borrower finds the pool full (so
-a one-connection pool still serves everything else), keeps none of a bounded pool
-that cannot ask, reconnects after its connection is killed, keeps replies in step
-after a cancelled round trip, and a closed `Worqr` holds none. Real servers, on
-loopback and through a latency-injecting proxy."""
+"""A lane (enqueue's connection of its own): it reuses one connection across round
+trips and takes nothing from the pool (a one-connection pool serves every other call,
+even under steady enqueues), reconnects after its connection is killed, keeps replies
+in step after a cancelled round trip, closes its connection even when a round trip on
+its way as it closes opens it anew, and a closed `Worqr` leaves no connection open.
+Real servers, on loopback and through a latency-injecting proxy."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from typing import Any
 
 import anyio
@@ -16,17 +16,17 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worqr import Worqr
-from worqr._connections import WaitingPool
-from worqr._lane import HOLD, Lane
+from worqr import ClosedError, Worqr
+from worqr._lane import Lane
+from worqr.testing import EmbeddedServer
 
-from .helpers import eventually
 from .proxy import LatencyProxy
 
 
-class _CountingPool(WaitingPool):
-    """worqr's waiting pool, counting its borrows."""
+class _CountingPool(ConnectionPool):
+    """redis-py's pool, counting its borrows."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -36,16 +36,10 @@ class _CountingPool(WaitingPool):
         self.borrows += 1
         return await super().get_connection(*args, **kwargs)
 
-    def free(self) -> bool:
-        """Whether a connection could be borrowed now (the pool has one)."""
-        return bool(self.can_get_connection())
-
 
 def _client(url: str) -> tuple[Redis, _CountingPool]:
     """A client of a one-connection pool whose connections resend twice."""
-    pool = _CountingPool.from_url(
-        url, max_connections=1, pool_timeout=5, retry=Retry(NoBackoff(), 2)
-    )
+    pool = _CountingPool.from_url(url, max_connections=1, retry=Retry(NoBackoff(), 2))
     assert isinstance(pool, _CountingPool)
     return Redis.from_pool(pool), pool
 
@@ -60,50 +54,14 @@ def url(request: pytest.FixtureRequest, redis_url: str) -> str:
     return proxy.url
 
 
-async def test_a_lane_keeps_one_connection_and_gives_it_back_within_its_hold(url: str) -> None:
+async def test_a_lane_keeps_one_connection_of_its_own(url: str) -> None:
     client, pool = _client(url)
     lane = Lane(client)
     try:
-        begun = time.monotonic()
-        ids = [(await lane.round_trip([("CLIENT", "ID")]))[0] for _ in range(100)]
-        elapsed = time.monotonic() - begun
-        assert pool.borrows <= 2 + elapsed / HOLD  # one borrow per hold at most
-        assert len(set(ids)) <= pool.borrows
-        assert not pool.free()  # the lane holds the pool's one connection
-        await eventually(pool.free, within=5)  # given back when quiet
+        ids = {(await lane.round_trip([("CLIENT", "ID")]))[0] for _ in range(50)}
+        assert len(ids) == 1
+        assert pool.borrows == 0  # the pool's one connection is free for everything else
         assert await client.ping()
-    finally:
-        await lane.aclose()
-        await client.aclose()
-
-
-async def test_a_borrower_that_finds_the_pool_full_gets_the_kept_connection(
-    url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("worqr._lane.HOLD", 60.0)  # only the ask can free it in time
-    client, pool = _client(url)
-    lane = Lane(client)
-    try:
-        assert await lane.round_trip([("ECHO", "kept")]) == [b"kept"]
-        assert not pool.free()
-        with anyio.fail_after(4):  # the pool waits 5 s: the ask frees it before
-            assert await client.ping()
-        for n in range(3):  # asked lately: lent per round trip, for a hold
-            assert await lane.round_trip([("ECHO", f"e{n}")]) == [f"e{n}".encode()]
-            assert pool.free()
-            assert await client.ping()
-    finally:
-        await lane.aclose()
-        await client.aclose()
-
-
-async def test_a_bounded_pool_of_redis_py_lends_a_connection_per_round_trip(url: str) -> None:
-    client = Redis.from_pool(ConnectionPool.from_url(url, max_connections=1))
-    lane = Lane(client)
-    try:
-        for n in range(3):
-            assert await lane.round_trip([("ECHO", f"e{n}")]) == [f"e{n}".encode()]
-            assert await client.ping()  # would fail at once were the connection kept
     finally:
         await lane.aclose()
         await client.aclose()
@@ -128,7 +86,7 @@ async def test_a_cancelled_round_trip_leaves_the_next_one_its_own_replies(
     proxy: LatencyProxy, prefix: str
 ) -> None:
     proxy.delay = 0.05
-    client, pool = _client(proxy.url)
+    client, _ = _client(proxy.url)
     lane = Lane(client)
     try:
         cut = asyncio.create_task(lane.round_trip([("INCR", f"{prefix}:n")]))
@@ -137,45 +95,47 @@ async def test_a_cancelled_round_trip_leaves_the_next_one_its_own_replies(
         with pytest.raises(asyncio.CancelledError):
             await cut
         assert await lane.round_trip([("ECHO", "mine")]) == [b"mine"]
-        await lane.aclose()
-        await eventually(pool.free, within=5)
+        await client.delete(f"{prefix}:n")
     finally:
         await lane.aclose()
         await client.aclose()
 
 
-async def test_a_lane_closed_mid_round_trip_gives_its_connection_back_as_it_ends(
+async def test_a_round_trip_on_its_way_when_the_lane_closes_leaves_nothing_open(
     proxy: LatencyProxy,
 ) -> None:
     proxy.delay = 0.05
-    client, pool = _client(proxy.url)
+    client, _ = _client(proxy.url)
     lane = Lane(client)
     try:
-        flight = asyncio.create_task(lane.round_trip([("PING",)]))
-        await asyncio.sleep(0.02)
-        await lane.aclose()
-        assert await flight == [b"PONG"]
-        await eventually(pool.free, within=5)
+        for wait in (0.02, 0.15, 0.25):  # connecting, its ping written, its reply read
+            flight = asyncio.create_task(lane.round_trip([("PING",)]))
+            await asyncio.sleep(wait)
+            connection = lane._connection
+            assert connection is not None
+            await lane.aclose()
+            with contextlib.suppress(ClosedError, RedisConnectionError):
+                assert await flight == [b"PONG"]
+            assert not connection.is_connected
+            lane = Lane(client)
     finally:
+        await lane.aclose()
         await client.aclose()
 
 
 async def test_enqueue_on_a_one_connection_pool_takes_turns_with_every_other_call(
-    url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+    url: str, prefix: str
 ) -> None:
-    monkeypatch.setattr("worqr._lane.HOLD", 60.0)
     async with Worqr.from_url(f"{url}?max_connections=1&pool_timeout=5", prefix=prefix) as worqr:
         for n in range(4):
             await worqr.enqueue("q", f"t{n}")
-            with anyio.fail_after(4):  # asked back, not waited out
-                assert await worqr.get_tasks("q") == [f"t{i}" for i in range(n + 1)]
+            assert await worqr.get_tasks("q") == [f"t{i}" for i in range(n + 1)]
         await worqr.delete_queue("q")
 
 
 async def test_other_calls_get_turns_on_a_one_connection_pool_under_steady_enqueues(
-    url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+    url: str, prefix: str
 ) -> None:
-    monkeypatch.setattr("worqr._lane.HOLD", 60.0)  # only asks can free it in time
     async with Worqr.from_url(f"{url}?max_connections=1", prefix=prefix) as worqr:
         stop = asyncio.Event()
 
@@ -194,6 +154,18 @@ async def test_other_calls_get_turns_on_a_one_connection_pool_under_steady_enque
         await worqr.delete_queue("q")
 
 
+async def test_a_bounded_pool_of_a_client_of_yours_stays_whole(url: str, prefix: str) -> None:
+    client = Redis.from_pool(ConnectionPool.from_url(url, max_connections=1))
+    try:
+        async with Worqr(client, prefix=prefix) as worqr:
+            for n in range(3):
+                await worqr.enqueue("q", f"t{n}")
+                assert await client.llen(f"{prefix}:q:{{q}}:tasks") == n + 1  # not exhausted
+            await worqr.delete_queue("q")
+    finally:
+        await client.aclose()
+
+
 async def test_enqueue_goes_on_after_every_connection_is_killed(
     url: str, prefix: str, real_client: Redis
 ) -> None:
@@ -205,12 +177,11 @@ async def test_enqueue_goes_on_after_every_connection_is_killed(
         await worqr.delete_queue("q")
 
 
-async def test_a_closed_worqr_holds_no_connection(redis_url: str, prefix: str) -> None:
-    client, pool = _client(redis_url)
-    worqr = Worqr(client, prefix=prefix)
+async def test_a_closed_worqr_leaves_no_connection_open(server: EmbeddedServer, raw: Redis) -> None:
+    client = Redis.from_url(server.url)
+    worqr = Worqr(client, prefix="lane")
     await worqr.enqueue("q", "t")
-    assert not pool.free()
+    assert len(await raw.client_list()) == 2  # raw and the lane
     await worqr.close()
-    assert pool.free()
-    await client.delete(f"{prefix}:q:{{q}}:tasks", f"{prefix}:queues")
     await client.aclose()
+    assert [c["name"] for c in await raw.client_list()] == [""]  # raw alone

@@ -173,7 +173,7 @@ async def _exhaust_and_recover(worqr: Worqr, server: Redis) -> None:
 
         await eventually(both_held, within=10)  # both are sent and held by the server
         with pytest.raises(BackendUnavailableError, match="connection pool exhausted") as info:
-            await worqr.enqueue("q", "third")
+            await worqr.enqueue("q", "third", unique=True)  # a plain one has its own (lane)
         assert "max_connections" in str(info.value)
         # A pipeline too (on a Cluster, redis-py's pipelines took a full pool for a
         # failed node and closed every connection, the two in flight included).

@@ -113,15 +113,13 @@ class _Waiter:
         self._pool = pool
         self.timeout = timeout
         self._released = asyncio.Condition()
-        self.keepers: set[Callable[[], None]] = set()  # see `keepers`
 
     async def take(self, take: Callable[[], Awaitable[AbstractConnection]]) -> AbstractConnection:
-        """A connection from ``take`` (the pool's own), waiting while the pool is full
-        (and asking the keepers to give theirs back)."""
+        """A connection from ``take`` (the pool's own), waiting while the pool is full."""
         try:
             return await take()
         except MaxConnectionsError:
-            self._ask_keepers()
+            pass
         deadline = None if self.timeout is None else anyio.current_time() + self.timeout
         while True:
             pause = _RECHECK if deadline is None else min(_RECHECK, deadline - anyio.current_time())
@@ -134,11 +132,7 @@ class _Waiter:
             try:
                 return await take()
             except MaxConnectionsError:  # taken by a caller that did not have to wait
-                self._ask_keepers()
-
-    def _ask_keepers(self) -> None:
-        for give_back in list(self.keepers):
-            give_back()
+                continue
 
     async def released(self) -> None:
         """Wake one waiter: a connection was given back."""
@@ -228,6 +222,14 @@ class WaitingSentinelPool(SentinelConnectionPool):
                 await connection.disconnect()
         await super().release(connection)
         await self._waiter.released()
+
+    async def follow(self, connection: AbstractConnection) -> None:
+        """For a connection made by this pool but kept outside it (`Lane`): what a
+        borrow does, ask where the master is (if not asked lately) and drop the
+        connection if it is open to another server (it reconnects to the master)."""
+        await self._follow_master()
+        if self._elsewhere(connection):
+            await connection.disconnect()
 
     def _elsewhere(self, connection: AbstractConnection) -> bool:
         """Whether ``connection`` is open to a server the Sentinels no longer name as the
@@ -438,20 +440,6 @@ def blocking_client(client: Client) -> Redis | None:
 
 
 _UNBOUNDED = 2**31
-
-
-def keepers(pool: ConnectionPoolInterface) -> set[Callable[[], None]] | None:
-    """Where something that keeps one of ``pool``'s connections between its uses (a
-    `Lane`) puts the call that gives it back: a pool of worqr's own (`WaitingPool`,
-    `WaitingSentinelPool`) makes them all when a borrower finds it full. A pool that
-    is never full in practice (redis-py's default size) needs no call: a set nobody
-    reads. None for a bounded pool of redis-py's own, which fails or blocks a
-    borrower without asking: its connections are not to be kept."""
-    if isinstance(pool, WaitingPool | WaitingSentinelPool):
-        return pool._waiter.keepers
-    if getattr(pool, "max_connections", 0) >= _UNBOUNDED:
-        return set()
-    return None
 
 
 def decoding_client(client: Client) -> Client:
