@@ -54,6 +54,8 @@ class Lane:
                 await self._sentinel.follow(connection)
 
             async def attempt() -> list[Any]:
+                if not connection.is_connected and not self._closed:
+                    await connection.connect()  # redis-py's own, which retries as well
                 if self._closed:  # a resend would open the connection anew, and leak it
                     raise ClosedError(
                         "this Worqr was closed with the round trip on its way: whether"
