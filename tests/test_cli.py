@@ -440,6 +440,7 @@ traceback.
 """
 
 
+@pytest.mark.long  # over half a minute in CI: python3 dev.py long checks the page
 @pytest.mark.timeout(300)  # dozens of commands, each a Python start (under coverage in CI)
 async def test_docs_cli_md_is_real_output(server: EmbeddedServer, raw: Redis) -> None:
     rendered = await render(server.url, raw)

@@ -33,6 +33,7 @@ async def _rate(client: Redis, seconds: float) -> float:
     return (await _commands(client) - before) / (time.monotonic() - started)
 
 
+@pytest.mark.long  # some 20 s in CI; python3 dev.py long runs it
 async def test_idle_load_stays_flat_after_20000_drained_queues(server: EmbeddedServer) -> None:
     """Two idle workers: the commands per second with 20,000 queues that were used and
     drained match those with none, once the first scans pruned them."""
