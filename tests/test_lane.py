@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -44,6 +45,18 @@ def _client(url: str) -> tuple[Redis, _CountingPool]:
     return Redis.from_pool(pool), pool
 
 
+@contextlib.asynccontextmanager
+async def _lane_on(url: str) -> AsyncIterator[tuple[Lane, Redis, _CountingPool]]:
+    """A lane on `_client`'s client, both closed at the end."""
+    client, pool = _client(url)
+    lane = Lane(client)
+    try:
+        yield lane, client, pool
+    finally:
+        await lane.aclose()
+        await client.aclose()
+
+
 @pytest.fixture(params=["loopback", "slow link"])
 def url(request: pytest.FixtureRequest, redis_url: str) -> str:
     """The session's server, directly or through a proxy adding 2-3 ms each way."""
@@ -55,40 +68,28 @@ def url(request: pytest.FixtureRequest, redis_url: str) -> str:
 
 
 async def test_a_lane_keeps_one_connection_of_its_own(url: str) -> None:
-    client, pool = _client(url)
-    lane = Lane(client)
-    try:
+    async with _lane_on(url) as (lane, client, pool):
         ids = {(await lane.round_trip([("CLIENT", "ID")]))[0] for _ in range(50)}
         assert len(ids) == 1
         assert pool.borrows == 0  # the pool's one connection is free for everything else
         assert await client.ping()
-    finally:
-        await lane.aclose()
-        await client.aclose()
 
 
 async def test_a_killed_connection_is_replaced_at_the_next_round_trip(
     url: str, real_client: Redis
 ) -> None:
-    client, _ = _client(url)
-    lane = Lane(client)
-    try:
+    async with _lane_on(url) as (lane, _, _):
         [first] = await lane.round_trip([("CLIENT", "ID")])
         await real_client.client_kill_filter(_id=first)
         [echo, second] = await lane.round_trip([("ECHO", "after"), ("CLIENT", "ID")])
         assert echo == b"after" and second != first
-    finally:
-        await lane.aclose()
-        await client.aclose()
 
 
 async def test_a_cancelled_round_trip_leaves_the_next_one_its_own_replies(
     proxy: LatencyProxy, prefix: str
 ) -> None:
     proxy.delay = 0.05
-    client, _ = _client(proxy.url)
-    lane = Lane(client)
-    try:
+    async with _lane_on(proxy.url) as (lane, client, _):
         cut = asyncio.create_task(lane.round_trip([("INCR", f"{prefix}:n")]))
         await asyncio.sleep(0.02)  # written, its reply still on its way
         cut.cancel()
@@ -96,19 +97,14 @@ async def test_a_cancelled_round_trip_leaves_the_next_one_its_own_replies(
             await cut
         assert await lane.round_trip([("ECHO", "mine")]) == [b"mine"]
         await client.delete(f"{prefix}:n")
-    finally:
-        await lane.aclose()
-        await client.aclose()
 
 
 async def test_a_round_trip_on_its_way_when_the_lane_closes_leaves_nothing_open(
     proxy: LatencyProxy, prefix: str
 ) -> None:
     proxy.delay = 0.05
-    client, _ = _client(proxy.url)
-    lane = Lane(client)
-    try:
-        for wait in (0.02, 0.15, 0.25):  # connecting, its ping written, its reply read
+    for wait in (0.02, 0.15, 0.25):  # connecting, its command written, its reply read
+        async with _lane_on(proxy.url) as (lane, client, _):
             flight = asyncio.create_task(lane.round_trip([("INCR", f"{prefix}:n")]))
             await asyncio.sleep(wait)
             connection = lane._connection
@@ -123,11 +119,7 @@ async def test_a_round_trip_on_its_way_when_the_lane_closes_leaves_nothing_open(
                 with contextlib.suppress(ClosedError, RedisConnectionError):
                     await flight
             assert not connection.is_connected
-            lane = Lane(client)
-        await client.delete(f"{prefix}:n")
-    finally:
-        await lane.aclose()
-        await client.aclose()
+            await client.delete(f"{prefix}:n")
 
 
 async def test_enqueue_on_a_one_connection_pool_takes_turns_with_every_other_call(

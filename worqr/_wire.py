@@ -16,9 +16,9 @@ or writes its own way (fakeredis's) goes through redis-py's own calls. No exchan
 runs redis-py's health check first (see `_write`).
 
 A connection is borrowed from the client's pool for one exchange (or one WATCH
-session; enqueue has one of its own, `_lane`), and dropped, never
-given back, when an exchange fails or is cancelled midway: replies left unread on it
-would answer the next user's commands.
+session; enqueue has one of its own, `_lane`), and dropped, never given back, when an
+exchange fails or is cancelled midway: replies left unread on it would answer the
+next user's commands.
 """
 
 from __future__ import annotations
