@@ -11,6 +11,8 @@ import uuid
 from collections import deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from worqr import Worqr
@@ -204,6 +206,46 @@ async def test_per_queue_state_is_dropped_with_the_last_listener_or_pin(real_mak
         if isinstance(value, dict | set | list | deque) and value
     }
     assert kept == {}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    process_id=st.none() | st.text(),
+    task=st.text(),
+    result=st.none() | st.text(),
+    job=st.none()
+    | st.tuples(st.text(min_size=1), st.none() | st.integers(1, 10**6), st.none() | st.text()),
+    cut=st.booleans(),
+)
+def test_a_done_record_is_the_json_of_its_fields(
+    process_id: str | None,
+    task: str,
+    result: str | None,
+    job: tuple[str, int | None, str | None] | None,
+    cut: bool,
+) -> None:
+    if cut:  # past the limit: cut there, and said so
+        task = task + "é" * (DONE_FIELD_LIMIT + 1)
+    job_id, attempts, error = job or (None, None, None)
+    fields: dict[str, object] = {
+        "process_id": process_id,
+        "worker_id": "w1",
+        "task": task[:DONE_FIELD_LIMIT],
+        "result": None if result is None else result[:DONE_FIELD_LIMIT],
+    }
+    if job_id is not None:
+        fields["job_id"] = job_id
+        fields["status"] = "done" if error is None else "failed"
+        if attempts is not None:
+            fields["attempts"] = attempts
+        if error is not None:
+            fields["error"] = error
+    if cut:
+        fields["truncated"] = True
+    record = done_record(
+        process_id, "w1", task, result, job_id=job_id, attempts=attempts, error=error
+    )
+    assert record == json.dumps(fields)  # byte for byte: other clients may compare
 
 
 def test_done_records_of_a_big_batch_are_split_into_messages_of_about_a_megabyte() -> None:

@@ -7,6 +7,7 @@ replies) on a pooled connection."""
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import AsyncIterator
 
 import pytest
@@ -21,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worqr import _wire
 from worqr._errors import is_wrong_type
 from worqr._wire import (
     _parses_in_c,
@@ -63,10 +65,70 @@ def test_pack_gives_the_bytes_redis_py_sends(commands: list[tuple[object, ...]])
         assert pack(commands, encoding, "replace") == expected  # type: ignore[arg-type]
 
 
+PACKERS = ["hiredis", "python"]
+"""How a UTF-8 client's batches are packed: by hiredis's encoder (the extra, which the
+tests install) or by worqr's own Python."""
+
+
+@pytest.fixture(params=PACKERS)
+def packer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    assert _wire._c_pack is not None, "the tests install the hiredis extra"
+    if request.param == "python":
+        monkeypatch.setattr(_wire, "_c_pack", None)
+    return str(request.param)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["SET", "HSET"]),
+            st.lists(st.one_of(st.text().filter(lambda t: t.isascii()), ARGS), max_size=8),
+        ).map(lambda command: (command[0], *command[1])),
+        min_size=1,
+        max_size=4,
+    )
+)
+@pytest.mark.parametrize("name", PACKERS)
+def test_both_packers_of_a_utf8_client_give_redis_pys_bytes(
+    name: str, commands: list[tuple[object, ...]]
+) -> None:
+    connection = Connection()  # UTF-8, strict: the default, and the hot paths' case
+    sendable = [c for c in commands if not any(_surrogate(arg) for arg in c)]
+    packed = (connection.pack_command(*command) for command in sendable)
+    expected = b"".join(b"".join(parts) for parts in packed)
+    with pytest.MonkeyPatch.context() as patch:
+        if name == "python":
+            patch.setattr(_wire, "_c_pack", None)
+        assert pack(sendable) == expected  # type: ignore[arg-type]
+
+
+def _surrogate(arg: object) -> bool:
+    return isinstance(arg, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in arg)
+
+
 @pytest.mark.parametrize("arg", [True, None, [1], 1j])
-def test_pack_refuses_what_redis_py_refuses(arg: object) -> None:
+def test_pack_refuses_what_redis_py_refuses(packer: str, arg: object) -> None:
     with pytest.raises(DataError, match="cannot send"):
         pack([("SET", "k", arg)])  # type: ignore[list-item]
+
+
+class _Level(enum.IntEnum):
+    TOP = 7
+
+
+def test_a_batch_hiredis_refuses_to_pack_is_packed_in_python(packer: str) -> None:
+    commands = [("HSET", "k", "n", _Level.TOP), ("SET", b"\xff", 1.5)]  # an enum: its number
+    expected = b"*4\r\n$4\r\nHSET\r\n$1\r\nk\r\n$1\r\nn\r\n$1\r\n7\r\n"
+    expected += b"*3\r\n$3\r\nSET\r\n$1\r\n\xff\r\n$3\r\n1.5\r\n"
+    assert pack(commands) == expected
+
+
+def test_a_lone_surrogate_is_packed_as_the_clients_errors_say(packer: str) -> None:
+    with pytest.raises(UnicodeEncodeError):
+        pack([("SET", "k", "a\udcff")])
+    packed = pack([("SET", "k", "a\udcff")], "utf-8", "surrogateescape")  # worqr's clients
+    assert packed == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\na\xff\r\n"
 
 
 READERS = {"hiredis": _AsyncHiredisParser, "redis-py": _AsyncRESP2Parser}
