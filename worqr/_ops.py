@@ -2187,16 +2187,13 @@ class _Batch:
                 exists, *states = _unless_wrong(await session.look([*self.procs, *records], looks))
                 if exists != len(self.procs):
                     return False
-                ended = {
-                    p.job_id
-                    for p, look in zip(jobs, states, strict=True)
-                    if _says_ended(look, p.stored)
-                }
-                waited_ids = [
-                    p.job_id
-                    for p, look in zip(jobs, states, strict=True)
-                    if p.job_id is not None and p.job_id not in ended and waited(look)
-                ]
+                ended: set[str | None] = set()
+                waited_ids: list[str] = []
+                for p, look in zip(jobs, states, strict=True):
+                    if _says_ended(look, p.stored):
+                        ended.add(p.job_id)
+                    elif p.job_id is not None and waited(look):
+                        waited_ids.append(p.job_id)
                 waits = await _waiters_of(session, keys, queue, waited_ids)
                 try:
                     replies = await session.commit(self._writes(now, ended, waits))

@@ -294,16 +294,20 @@ async def _replies_from_hiredis(connection: AbstractConnection, count: int) -> l
     try:
         while len(found) < count:
             reply = gets()
-            if reply is _NOT_ENOUGH_DATA:
-                await parser.read_from_socket()
-                continue
-            if isinstance(reply, RedisConnectionError):  # LOADING, MASTERDOWN and the like
-                raise reply
-            if type(reply) is list and reply and isinstance(reply[0], RedisConnectionError):
-                raise reply[0]
-            if isinstance(reply, push):  # not a reply: an out-of-band message
-                await parser.handle_push_response(reply)
-                continue
+            kind = type(reply)
+            # Most replies (QUEUED, counts, values) are one of these, and none of those
+            # is anything but a reply: the checks below are for the others.
+            if kind is not str and kind is not bytes and kind is not int:
+                if reply is _NOT_ENOUGH_DATA:
+                    await parser.read_from_socket()
+                    continue
+                if isinstance(reply, RedisConnectionError):  # LOADING, MASTERDOWN and the like
+                    raise reply
+                if kind is list and reply and isinstance(reply[0], RedisConnectionError):
+                    raise reply[0]
+                if isinstance(reply, push):  # not a reply: an out-of-band message
+                    await parser.handle_push_response(reply)
+                    continue
             append(reply)
     except OSError as exc:
         await connection.disconnect(nowait=True)
