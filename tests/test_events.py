@@ -224,8 +224,9 @@ def test_a_done_record_is_the_json_of_its_fields(
     job: tuple[str, int | None, str | None] | None,
     cut: bool,
 ) -> None:
-    if cut:  # past the limit: cut there, and said so
+    if cut:  # past the limit: cut there, and said so (not the process id: never cut)
         task = task + "é" * (DONE_FIELD_LIMIT + 1)
+        process_id = (process_id or "") + "p" * DONE_FIELD_LIMIT
     job_id, attempts, error = job or (None, None, None)
     fields: dict[str, object] = {
         "process_id": process_id,

@@ -1,18 +1,22 @@
 """The handler's contract with jobs: an attempt that returns after its timeout without
-ever yielding counts as timed out, a handler that is not async fails clearly, and a
-failed job id is refused with the hierarchy's error."""
+ever yielding counts as timed out, a handler that is not async fails clearly, a
+failed job id is refused with the hierarchy's error, and a result or error that
+cannot be written fails only its own job."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import anyio
 import pytest
+from redis.asyncio import Redis
 
-from worqr import InvalidJobIdError, JobFailedError, Process, Retry, WorqrError
+from worqr import InvalidJobIdError, JobFailedError, Process, Retry, Worqr, WorqrError
 
-from .helpers import Factory, eventually
+from .helpers import RELAXED, Factory, eventually
+from .proxy import LatencyProxy
 
 
 async def test_an_attempt_that_blocks_past_its_timeout_counts_as_timed_out(make: Factory) -> None:
@@ -117,3 +121,74 @@ async def test_failed_attempts_log_a_warning_and_the_last_one_an_error(
     info = await retry.info()
     assert info is not None and info.error is not None
     assert info.error.endswith("but attempt 1 of 1 was the last")
+
+
+@pytest.mark.parametrize("link", ["loopback", "proxy"])
+async def test_a_result_that_cannot_be_stored_fails_its_job_alone(
+    proxy: LatencyProxy, link: str, real_client: Redis, prefix: str
+) -> None:
+    """A handler's str with a lone surrogate that stands for no byte (U+D800) cannot be
+    written: its job fails for good, saying why, while the jobs that end in the same
+    batch finish; a surrogate that stands for a byte (U+DCFF) is written as that byte."""
+    redis: Redis = real_client
+    if link == "proxy":
+        proxy.delay = 0.002
+        redis = Redis.from_url(proxy.url, decode_responses=True)
+    worker = Worqr(redis, prefix=prefix, **RELAXED)
+    results = {"bad": "r\ud800", "byte": "r\udcff", "good": "fine"}
+
+    async def handler(process: Process) -> str:
+        await anyio.sleep(0.05)  # the three end together
+        return results[process.task.split(":")[0]]
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(worker.consume, "q", handler, concurrency=8))
+            jobs = {
+                name: await worker.submit("q", f"{name}:{i}") for i in range(4) for name in results
+            }
+            assert await jobs["good"].result(timeout=20) == "fine"
+            assert await jobs["byte"].result(timeout=20) == "r\udcff"
+            with pytest.raises(JobFailedError, match="cannot be stored") as failed:
+                await jobs["bad"].result(timeout=20)
+            assert failed.value.attempts == 1  # not tried again: the work is done
+            tg.cancel_scope.cancel()
+    finally:
+        await worker.close()
+        if link == "proxy":
+            await redis.aclose()
+
+
+async def test_an_error_that_cannot_be_stored_is_kept_escaped(make: Factory) -> None:
+    worker = make()
+
+    async def handler(process: Process) -> str:
+        raise RuntimeError("broke on \ud800")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "q", handler)
+        await worker.enqueue("q", "plain")
+        job = await worker.submit("q", "job")
+        with pytest.raises(JobFailedError, match=r"broke on \\ud800"):
+            await job.result(timeout=10)
+        await eventually(lambda: _failed_count(worker, 2))
+        tg.cancel_scope.cancel()
+    errors = {entry.error for entry in await worker.get_failed("q")}
+    assert errors == {"RuntimeError: broke on \\ud800"}
+
+
+async def _failed_count(worqr: Worqr, count: int) -> bool:
+    return len(await worqr.get_failed("q")) == count
+
+
+async def test_finish_process_refuses_a_result_that_cannot_be_stored(make: Factory) -> None:
+    worker = make()
+    await worker.start_worker()
+    await worker.start_work("q")
+    job = await worker.submit("q", "x")
+    process = await worker.dequeue("q")
+    assert process is not None
+    with pytest.raises(ValueError, match="lone surrogate"):
+        await worker.finish_process(process, "r\ud800")
+    assert await worker.finish_process(process, "ok")  # nothing was written before
+    assert await job.result(timeout=10) == "ok"

@@ -124,6 +124,13 @@ def test_a_batch_hiredis_refuses_to_pack_is_packed_in_python(packer: str) -> Non
     assert pack(commands) == expected
 
 
+def test_an_int_too_long_for_str_is_refused_by_either_packer(packer: str) -> None:
+    with pytest.raises(ValueError, match="limit"):  # hiredis would crash the process on it
+        pack([("SET", "k", 1), ("GET", -(10**5000))])
+    long = 10**700  # past what hiredis is given, within what str() writes
+    assert pack([("SET", "k", long)]).endswith(b"$701\r\n1" + b"0" * 700 + b"\r\n")
+
+
 def test_a_lone_surrogate_is_packed_as_the_clients_errors_say(packer: str) -> None:
     with pytest.raises(UnicodeEncodeError):
         pack([("SET", "k", "a\udcff")])

@@ -191,6 +191,11 @@ def redis_boundary(fn: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T
             return await fn(*args, **kwargs)
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise translate(exc) from exc
+        except UnicodeEncodeError as exc:  # text with a surrogate that stands for no byte
+            raise InvalidTaskError(
+                f"text that cannot be written to Redis ({exc}): worqr's clients write"
+                " lone surrogates U+DC80 to U+DCFF as the bytes they stand for, no others"
+            ) from exc
         except UnicodeError as exc:  # a client made with strict decoding met other bytes
             raise CorruptDataError(
                 f"Redis returned bytes that are not valid UTF-8 ({exc}); worqr's own clients"

@@ -17,6 +17,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from ._models import storable
+
 ADVICE = (
     "write it as `async def handler(process)`; run blocking code inside it with"
     " `await asyncio.to_thread(...)`"
@@ -50,13 +52,23 @@ def check_handler(handler: object) -> None:
 
 
 class BadResult(TypeError):
-    """A handler returned something other than str or None."""
+    """A handler returned something other than str or None, or a str that cannot be
+    stored."""
 
 
 def check_result(result: object) -> str | None:
-    """A handler's result, or `BadResult` for one that is neither str nor None."""
-    if result is None or isinstance(result, str):
+    """A handler's result, or `BadResult` for one that is neither str nor None, or a
+    str with a lone surrogate that stands for no byte (see `storable`): written, it
+    would fail every time, and the whole batch of ends with it."""
+    if result is None:
         return result
+    if isinstance(result, str):
+        if storable(result):
+            return result
+        raise BadResult(
+            f"handler returned a str that cannot be stored (a lone surrogate): {RESULT_ADVICE}"
+            " (its work is done, so the task is not tried again)"
+        )
     raise BadResult(
         f"handler returned {type(result).__name__}, not str or None: {RESULT_ADVICE}"
         " (its work is done, so the task is not tried again)"

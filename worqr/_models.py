@@ -87,6 +87,19 @@ class FailedTask:
         return readable(self.task)
 
 
+def storable(text: str) -> bool:
+    """Whether worqr's clients can write ``text``: valid Unicode text, or text whose
+    lone surrogates (U+DC80 to U+DCFF) stand for the undecodable bytes of a value read
+    from Redis (see `readable`). Other lone surrogates have no bytes to stand for."""
+    if text.isascii():  # the common case, without a copy
+        return True
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def readable(task: str) -> bool:
     """Whether a task read from Redis is valid UTF-8 text: worqr's clients decode
     other bytes to lone surrogates, so that they survive the round trip unchanged."""

@@ -47,7 +47,7 @@ from ._jobs import Backoff
 from ._keys import Keys
 from ._lane import Lane
 from ._levels import LEVELS, Picker
-from ._models import FailedTask, Process, WorkerInfo, readable
+from ._models import FailedTask, Process, WorkerInfo, readable, storable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
 from ._wire import Watching, Wire, exchange, transaction, watching
 
@@ -205,7 +205,8 @@ def done_record(
     # As json.dumps would write the dict of these fields, at a third of its cost (one
     # record per finished task): strings through its own C quoting.
     record = (
-        f'{{"process_id": {_json_str(process_id)}, "worker_id": {_quote(worker_id)}, '
+        f'{{"process_id": {"null" if process_id is None else _quote(process_id)}, '
+        f'"worker_id": {_quote(worker_id)}, '
         f'"task": {_quote(task[:DONE_FIELD_LIMIT])}, "result": {_json_str(result)}'
     )
     if job_id is not None:
@@ -222,7 +223,7 @@ _quote = json.encoder.encode_basestring_ascii
 
 
 def _json_str(value: str | None) -> str:
-    """A str cut at `DONE_FIELD_LIMIT`, or None, as JSON."""
+    """A result cut at `DONE_FIELD_LIMIT`, or None, as JSON."""
     return "null" if value is None else _quote(value[:DONE_FIELD_LIMIT])
 
 
@@ -2194,6 +2195,8 @@ class _Batch:
                         ended.add(p.job_id)
                     elif p.job_id is not None and waited(look):
                         waited_ids.append(p.job_id)
+                if ended and waited_ids:  # two copies of one job, one read as ended
+                    waited_ids = [job_id for job_id in waited_ids if job_id not in ended]
                 waits = await _waiters_of(session, keys, queue, waited_ids)
                 try:
                     replies = await session.commit(self._writes(now, ended, waits))
@@ -2303,7 +2306,9 @@ async def fail(
     and the job's outcome is recorded. Another attempt of a job goes to the back of
     the queue (no delay) or to the delayed set, due after ``delay`` seconds (default:
     its backoff), as a new envelope whose attempt is one higher. A job that ended
-    meanwhile (cancelled) only has its process ended.
+    meanwhile (cancelled) only has its process ended. An ``error`` with a lone
+    surrogate that stands for no byte is stored with it escaped (``\\ud800``): a
+    message that cannot be written would fail every time.
       (a job) HMGET j:<id> state under WATCH     -> done/failed: no writes but 3-7
       8. the failed list: RPUSH failed <record>
             (a job) the writes of `_end_job` with the error;
@@ -2316,6 +2321,8 @@ async def fail(
     """
     queue = ref.queue
     now = local_ms(now_ms)
+    if not storable(error):  # a message (an exception's, say): shown escaped, not refused
+        error = error.encode("utf-8", "backslashreplace").decode("utf-8")
 
     def plan(task: str, envelope: Envelope | None, ended: bool, waits: list[str] | None) -> Ending:
         if envelope is None:

@@ -29,6 +29,7 @@ import codecs
 import contextlib
 import functools
 import importlib
+import itertools
 import math
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,14 +71,16 @@ def pack(commands: Sequence[Wire], encoding: str = "utf-8", errors: str = "stric
     Python below for a job's end (about 25 arguments). It encodes strictly, which
     gives the same bytes whenever it succeeds, whatever ``errors`` says; a batch it
     refuses (a lone surrogate, a bool, an int enum) is packed the Python way, which
-    applies ``errors``, sends the enum's number and refuses the bool.
+    applies ``errors``, sends the enum's number and refuses the bool. So is one
+    with an int too long for ``str()`` (over `sys.get_int_max_str_digits`): hiredis
+    would crash the process on it, where Python raises `ValueError`.
 
     In Python: nearly every argument on the hot paths is an ASCII str (keys, ids,
     field names) or an int, whose bytes in any ASCII-compatible encoding are its
     characters: such a batch is built as one str and encoded once, a third faster
     than an encode per argument. Anything else (bytes, floats, other text) takes
     the general path."""
-    if _c_pack is not None and _is_utf8(encoding):
+    if _c_pack is not None and _is_utf8(encoding) and _small_ints(commands):
         try:
             return b"".join([_c_pack(command) for command in commands])
         except (TypeError, UnicodeEncodeError):
@@ -97,6 +100,16 @@ def pack(commands: Sequence[Wire], encoding: str = "utf-8", errors: str = "stric
                     return _pack_bytes(commands, encoding, errors)
         return "".join(parts).encode("ascii")
     return _pack_bytes(commands, encoding, errors)
+
+
+def _small_ints(commands: Sequence[Wire]) -> bool:
+    """Whether every int argument has fewer digits than any int-to-str limit Python
+    allows (640 at the least): each of those hiredis can write."""
+    ints = [arg for arg in itertools.chain.from_iterable(commands) if type(arg) is int]
+    return not ints or (max(ints) < _SAFE_INT and min(ints) > -_SAFE_INT)
+
+
+_SAFE_INT = 10**600
 
 
 @functools.cache

@@ -59,7 +59,15 @@ from ._keys import Keys
 from ._lane import Lane
 from ._levels import Picker, check_policy, check_priority
 from ._log import PeerLog
-from ._models import FailedTask, Listener, Process, QueueStatistics, WorkerInfo, readable
+from ._models import (
+    FailedTask,
+    Listener,
+    Process,
+    QueueStatistics,
+    WorkerInfo,
+    readable,
+    storable,
+)
 from ._names import (
     ProcessRef,
     check_failed_id,
@@ -1078,6 +1086,8 @@ class Worqr:
         changes) if the process no longer exists or its lease was lost."""
         if result is not None and not isinstance(result, str):
             raise TypeError(f"result must be a str or None, not {type(result).__name__}")
+        if result is not None and not storable(result):
+            raise ValueError("result cannot be stored: it has a lone surrogate")
         ref = self._ref(process)
         if await self._fenced(ref):
             return False
