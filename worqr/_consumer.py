@@ -18,7 +18,7 @@ from ._flow import Throttled
 from ._handlers import BadResult, check_result
 from ._jobs import Retry
 from ._log import PeerLog, excerpt
-from ._models import Process
+from ._models import Process, escaped
 
 Handler = Callable[[Process], Awaitable[str | None]]
 
@@ -417,7 +417,7 @@ class Consumer:
         except (KeyboardInterrupt, SystemExit):
             raise  # they stop the program: its tasks go back, as at any exit
         except BaseException as exc:  # an Exception, or another kind (pytest.fail's)
-            outcome, detail, error = "fail", f"{type(exc).__name__}: {exc}", exc
+            outcome, detail, error = "fail", escaped(f"{type(exc).__name__}: {exc}"), exc
         if outcome == "fail" and error is not None:
             trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         if process.id in self._ending:  # cancelled by us, even if the handler swallowed it

@@ -100,6 +100,12 @@ def storable(text: str) -> bool:
     return True
 
 
+def escaped(text: str) -> str:
+    """``text``, with any lone surrogate that stands for no byte written as an escape
+    (``\\ud800``): for messages, which must be stored and logged, not refused."""
+    return text if storable(text) else text.encode("utf-8", "backslashreplace").decode()
+
+
 def readable(task: str) -> bool:
     """Whether a task read from Redis is valid UTF-8 text: worqr's clients decode
     other bytes to lone surrogates, so that they survive the round trip unchanged."""

@@ -47,7 +47,7 @@ from ._jobs import Backoff
 from ._keys import Keys
 from ._lane import Lane
 from ._levels import LEVELS, Picker
-from ._models import FailedTask, Process, WorkerInfo, readable, storable
+from ._models import FailedTask, Process, WorkerInfo, escaped, readable
 from ._names import ProcessRef, new_process_id, parse_process_id, split_process_id
 from ._wire import Watching, Wire, exchange, transaction, watching
 
@@ -2321,8 +2321,7 @@ async def fail(
     """
     queue = ref.queue
     now = local_ms(now_ms)
-    if not storable(error):  # a message (an exception's, say): shown escaped, not refused
-        error = error.encode("utf-8", "backslashreplace").decode("utf-8")
+    error = escaped(error)  # a message (an exception's, say): shown escaped, not refused
 
     def plan(task: str, envelope: Envelope | None, ended: bool, waits: list[str] | None) -> Ending:
         if envelope is None:
