@@ -157,6 +157,9 @@ async def test_a_worker_that_missed_a_delete_learns_of_it_on_reconnect(
         tg.start_soon(worker.consume, "idle", handler)
         await eventually(lambda: _working(worker, ["idle", "jobs"]))
         await client.srem(f"{worker.prefix}:queues", "idle")  # as a prune could
+        # "jobs" is registered when deleted (a prune may have taken the idle, empty queue
+        # off the registry meanwhile, and a pruned queue's delete is no deletion).
+        await client.sadd(f"{worker.prefix}:queues", "jobs")
         muted = _Muted(worker.prefix)
         from worqr import _ops
 
