@@ -12,9 +12,9 @@ Below that, redis-py's per-call machinery is skipped where it costs more than th
 work: the batch is written on the connection's stream and its replies read under one
 asyncio deadline (no task per write, no scope per reply), and with the ``hiredis``
 extra the replies come straight from hiredis's reader and batches are packed by its
-encoder. A connection class that reads
-or writes its own way (fakeredis's) goes through redis-py's own calls. No exchange
-runs redis-py's health check first (see `_write`).
+encoder. A connection class that reads or writes its own way (fakeredis's) goes
+through redis-py's own calls. No exchange runs redis-py's health check first (see
+`_write`).
 
 A connection is borrowed from the client's pool for one exchange (or one WATCH
 session; enqueue has one of its own, `_lane`), and dropped, never given back, when an
