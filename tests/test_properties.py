@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 import anyio
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -128,6 +128,25 @@ def worker_id_errors(worker_id: object) -> tuple[type[Exception], ...]:
     if not isinstance(worker_id, str):
         return (TypeError,)
     return () if _WORKER_ID.fullmatch(worker_id) else (InvalidWorkerIdError,)
+
+
+def storable_result(text: str) -> bool:
+    """Whether worqr can store ``text`` as a result: UTF-8, where lone surrogates may
+    only stand for undecodable bytes (U+DC80 to U+DCFF, as when it was read)."""
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def result_errors(result: object) -> tuple[type[Exception], ...]:
+    """The errors ``finish_process(p, result)`` may raise for the result."""
+    if result is None:
+        return ()
+    if not isinstance(result, str):
+        return (TypeError,)
+    return () if storable_result(result) else (ValueError,)
 
 
 def task_errors(task: object) -> tuple[type[Exception], ...]:
@@ -465,6 +484,10 @@ async def worker_case(
             assert process.id in await worqr.get_matching_processes(process.task)
         for process, result in zip(processes, results, strict=False):
             assert process is not None
+            if result is not None and not storable_result(result):
+                with pytest.raises(ValueError):  # refused: the process is left as it was
+                    await worqr.finish_process(process, result)
+                result = None
             assert await worqr.finish_process(process, result) is True
             assert await worqr.finish_process(process.id, result) is False
             assert await worqr.stop_process(process) is False
@@ -490,6 +513,7 @@ async def worker_case(
     tasks=st.lists(VALID_TASK, min_size=1, max_size=4),
     results=st.lists(st.one_of(st.none(), ANY_TEXT), max_size=4),
 )
+@example(worker_id="w", queue="q", tasks=["t", "u"], results=["\ud800", "\udc80"])
 def test_worker_ids_and_tasks_round_trip_through_processes(
     portal: BlockingPortal,
     inspector: Redis,
@@ -514,10 +538,13 @@ async def process_calls_case(redis: Redis, process_id: Any, result: Any, task: A
         assert held is not None
         before = await queue_state(redis, prefix)
         id_errors = process_id_errors(process_id)
-        result_errors = () if result is None or isinstance(result, str) else (TypeError,)
         calls: list[tuple[Callable[[], Awaitable[object]], tuple[type[Exception], ...], object]]
         calls = [
-            (lambda: worqr.finish_process(process_id, result), id_errors + result_errors, False),
+            (
+                lambda: worqr.finish_process(process_id, result),
+                id_errors + result_errors(result),
+                False,
+            ),
             (lambda: worqr.stop_process(process_id), id_errors, False),
             (lambda: worqr.get_matching_processes(task), task_errors(task), []),
             (lambda: worqr.cancel_tasks("jobs", task), task_errors(task), 0),
@@ -545,6 +572,7 @@ async def process_calls_case(redis: Redis, process_id: Any, result: Any, task: A
     result=st.one_of(st.none(), ANY_TEXT, NOT_TEXT),
     task=st.one_of(ANY_TASK, NOT_TEXT),
 )
+@example(process_id="", result="\udd00", task="")  # an unstorable result, a malformed id
 def test_unknown_or_malformed_processes_change_nothing(
     portal: BlockingPortal, inspector: Redis, process_id: Any, result: Any, task: Any
 ) -> None:
