@@ -125,6 +125,24 @@ async def test_bad_worker_calls(
     assert (await client.post(path, json=body)).status_code == code
 
 
+async def test_a_result_that_cannot_be_stored_is_refused_and_the_process_stays(
+    client: httpx.AsyncClient, real_make: Factory
+) -> None:
+    """JSON can carry a lone surrogate ("\\ud800") that no UTF-8 byte stands for."""
+    peer = real_make()
+    await peer.enqueue("q", ["a"])
+    worker = await register(client, "q")
+    (process,) = await take(client, worker, "q", 1)
+    path = f"/api/processes/{process['id']}/finish"
+    refused = await client.post(
+        path, content=b'{"result": "\\ud800"}', headers={"content-type": "application/json"}
+    )
+    assert error_of(refused) == (400, "bad_request")
+    assert [p.id for p in await peer.get_processes("q")] == [process["id"]]
+    assert (await client.post(path, json={"result": "ok"})).json() == {"finished": True}
+    await client.delete(f"/api/workers/{worker}")
+
+
 async def test_a_lease_of_a_queue_not_registered_or_too_many(client: httpx.AsyncClient) -> None:
     worker = await register(client, "q")
     other = await client.post(f"/api/workers/{worker}/lease", json={"queue": "other"})
