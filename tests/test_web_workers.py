@@ -125,10 +125,11 @@ async def test_bad_worker_calls(
     assert (await client.post(path, json=body)).status_code == code
 
 
-async def test_a_result_that_cannot_be_stored_is_refused_and_the_process_stays(
+async def test_a_result_with_a_lone_surrogate_is_refused_and_the_process_stays(
     client: httpx.AsyncClient, real_make: Factory
 ) -> None:
-    """JSON can carry a lone surrogate ("\\ud800") that no UTF-8 byte stands for."""
+    """JSON can carry a lone surrogate ("\\ud800"), which the API refuses as not text
+    (test_web_api checks the message): the live process is left as it was."""
     peer = real_make()
     await peer.enqueue("q", ["a"])
     worker = await register(client, "q")
