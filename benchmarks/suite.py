@@ -679,18 +679,17 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
         mine = ours(f"drain_cli_{c}")
         rival = best(f"drain_cli_{c}", [p for p in peers if p in AT_LEAST_ONCE], True)
         if mine and rival:
-            verdict = "met" if mine >= 5 * rival[1] else "not met"
             lines.append(
                 f"- Drain by the worker command, concurrency {c}: {mine:,.0f} tasks/s, "
                 f"{mine / rival[1]:.1f}x the fastest at-least-once peer ({rival[0]}); "
-                f"target 5x: {verdict}."
+                f"target 5x: {_verdict(mine / rival[1], 5.0, 'x')}."
             )
         jobs = ours(f"drain_jobs_cli_{c}")
         if mine and jobs:
-            verdict = "met" if jobs >= 0.9 * mine else "not met"
             lines.append(
                 f"- Job envelopes, same drain at concurrency {c}: {jobs:,.0f} jobs/s, "
-                f"{jobs / mine:.2f}x plain tasks; target at least 0.90x: {verdict}."
+                f"{jobs / mine:.2f}x plain tasks; target at least 0.90x: "
+                f"{_verdict(jobs / mine, 0.9, 'x', why=JOBS_WHY)}."
             )
     two = ours("drain_2")
     if drain and two:
@@ -703,17 +702,16 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
         )
     over = ours("enqueue_over_ping")
     if over:
-        verdict = "met" if over <= 1.1 else "not met"
         lines.append(
             f"- Enqueue one at a time takes {over:.2f}x a bare PING on the same kind of "
-            f"client; target within 10% (1.10x): {verdict}."
+            f"client; target within 10% (1.10x): {_verdict(over, 1.1, 'x', lower=True)}."
         )
     together, rival = ours("enqueue_concurrent"), best("enqueue_concurrent", peers, True)
     if together and rival:
-        verdict = "met" if together >= 3 * rival[1] else "not met"
         lines.append(
             f"- Enqueue by {CALLERS} coroutines at once: {together:,.0f} tasks/s, "
-            f"{together / rival[1]:.2f}x the fastest peer ({rival[0]}); target 3x: {verdict}."
+            f"{together / rival[1]:.2f}x the fastest peer ({rival[0]}); "
+            f"target 3x: {_verdict(together / rival[1], 3.0, 'x')}."
         )
     batch = ours("enqueue_batch")
     if batch:
@@ -722,12 +720,17 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
         value, rival = ours(key), best(key, peers, False)
         if value and rival:
             below = 1 - value / rival[1]
-            met = below >= 0.2 and (name != "p99" or value < 1.2)
-            ceiling = " and under 1.2 ms" if name == "p99" else ""
+            verdict = _verdict(below, 0.2, "%")
+            ceiling = ""
+            if name == "p99":
+                ceiling = " and under 1.2 ms"
+                if value >= 1.2:
+                    excess = f"{value - 1.2:.2f} ms above the ceiling"
+                    verdict = f"{verdict}; {excess}" if verdict != "met" else f"not met: {excess}"
             lines.append(
                 f"- Latency {name}: {value:.2f} ms, {below:.0%} below the lowest peer "
                 f"({rival[0]}, {rival[1]:.2f} ms); target at least 20% below{ceiling}: "
-                f"{'met' if met else 'not met'}."
+                f"{verdict}."
             )
     recoveries = results.samples.get("worqr", {}).get("recovery_s")
     if recoveries:
@@ -739,6 +742,32 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
     if commands:
         lines.append(f"- Redis commands per task (drain): {commands:.2f}; target at most 4.")
     return lines
+
+
+LIMITS_WHY = "docs/performance.md, 'What limits it', says what bounds it"
+"""Where a missed target's reason is written: what bounds each figure."""
+
+JOBS_WHY = (
+    "each job's end writes its outcome with four commands of its own and its header is "
+    "read as it is taken; the worker is bound by its own CPU, and a closer ratio needs a "
+    "new stored layout: docs/performance.md, 'Job envelopes drain at about three "
+    "quarters of the rate of plain tasks'"
+)
+"""Why job envelopes drain slower than plain tasks (measured in performance.md)."""
+
+
+def _verdict(
+    value: float, target: float, unit: str, *, lower: bool = False, why: str = LIMITS_WHY
+) -> str:
+    """``met`` when ``value`` reaches ``target`` (at most it, with ``lower``), else by
+    how much it misses and where the reason is written."""
+    if (value <= target) if lower else (value >= target):
+        return "met"
+    if lower:
+        return f"not met, {value - target:.2f}{unit} above ({why})"
+    if unit == "%":
+        return f"not met, short by {target - value:.0%} points ({why})"
+    return f"not met, short by {target - value:.2f}{unit} ({why})"
 
 
 JOBS_BEGIN = "<!-- jobs: benchmarks/jobs.py writes from here to the end mark -->"

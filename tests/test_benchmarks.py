@@ -72,3 +72,36 @@ def test_the_worker_command_drains_plain_tasks_and_job_envelopes() -> None:
         redis.close()
     assert all(value > 0 for value in results.samples["worqr"]["drain_cli_50"])
     assert all(value > 0 for value in results.samples["worqr"]["drain_jobs_cli_50"])
+
+
+def test_a_missed_target_says_by_how_much_and_why() -> None:
+    """The suite's report of its targets: a target met says so; one missed says by how
+    much and where its reason is written (the jobs ratio, its own reason)."""
+    results = suite.Results()
+    for figure, worqr, taskiq in (
+        ("drain_cli_50", 22_000.0, 3_000.0),
+        ("drain_cli_64", 24_000.0, 6_000.0),
+        ("latency_p50_ms", 0.5, 0.7),
+        ("latency_p99_ms", 1.3, 1.5),
+    ):
+        results.add("worqr", figure, worqr)
+        results.add("taskiq", figure, taskiq)
+    results.add("worqr", "drain_jobs_cli_50", 16_280.0)  # 0.74x
+    results.add("worqr", "drain_jobs_cli_64", 24_000.0)  # 1.00x
+    results.add("worqr", "enqueue_over_ping", 1.25)
+    lines = "\n".join(suite.targets(results, ["worqr", "taskiq"]))
+    assert "7.3x the fastest at-least-once peer (taskiq); target 5x: met." in lines
+    assert (
+        "4.0x the fastest at-least-once peer (taskiq); target 5x: not met, short by 1.00x" in lines
+    )
+    assert (
+        f"0.74x plain tasks; target at least 0.90x: not met, short by 0.16x ({suite.JOBS_WHY})"
+        in lines
+    )
+    assert "1.00x plain tasks; target at least 0.90x: met." in lines
+    assert f"(1.10x): not met, 0.15x above ({suite.LIMITS_WHY})." in lines
+    assert "29% below the lowest peer (taskiq, 0.70 ms); target at least 20% below: met." in lines
+    assert (
+        "13% below the lowest peer (taskiq, 1.50 ms); target at least 20% below and under" in lines
+    )
+    assert f"not met, short by 7% points ({suite.LIMITS_WHY}); 0.10 ms above the ceiling." in lines
