@@ -293,6 +293,36 @@ async def test_every_task_runs_once_through_a_slow_link(
     await eventually(lambda: _no_process_left(real_client, prefix))
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["loopback", "slow-link"])
+async def test_a_task_enqueued_after_its_cancel_runs_through_a_waiting_take(
+    slow: bool, proxy: LatencyProxy, redis_url: str, prefix: str, real_client: Redis
+) -> None:
+    """A ``cancel`` that came while the take still waited predates the push that fed
+    it: a task enqueued again after `cancel_tasks` returned runs (once), it is not
+    finished as cancelled."""
+    if slow:
+        proxy.delay, proxy.jitter = 0.002, 0.001
+    url = proxy.url if slow else redis_url
+    ran: Counter[str] = Counter()
+    async with (
+        Worqr.from_url(url, prefix=prefix) as consumer,
+        Worqr.from_url(url, prefix=prefix) as producer,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(lambda: consumer.consume("q", counting(ran), concurrency=2))
+        for round_ in range(3):
+            await eventually(lambda: _armed(real_client, prefix))
+            task = f"t{round_}"
+            assert await producer.cancel_tasks("q", task) == 0  # not queued, not running
+            await anyio.sleep(0.05)  # the cancel reaches the waiting take first
+            await producer.enqueue("q", task)
+            await eventually(lambda: ran[task] == 1)  # noqa: B023 - awaited here
+        await anyio.sleep(0.2)
+        assert ran == Counter({"t0": 1, "t1": 1, "t2": 1})
+        tg.cancel_scope.cancel()
+    await eventually(lambda: _no_process_left(real_client, prefix))
+
+
 def _worker(server: EmbeddedServer, prefix: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.worker_process", server.url, prefix, "q"],

@@ -2,7 +2,8 @@
 trips and takes nothing from the pool (a one-connection pool serves every other call,
 even under steady enqueues), reconnects after its connection is killed, keeps replies
 in step after a cancelled round trip, closes its connection even when a round trip on
-its way as it closes opens it anew, and a closed `Worqr` leaves no connection open.
+its way as it closes opens it anew, a closed `Worqr` leaves no connection open, and an
+unreachable server costs one connect per try of the retry policy.
 Real servers, on loopback and through a latency-injecting proxy."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worqr import ClosedError, Worqr
+from worqr import BackendUnavailableError, ClosedError, Worqr
 from worqr._lane import Lane
 from worqr.testing import EmbeddedServer
 
@@ -184,3 +185,32 @@ async def test_a_closed_worqr_leaves_no_connection_open(server: EmbeddedServer, 
     await worqr.close()
     await client.aclose()
     assert [c["name"] for c in await raw.client_list()] == [""]  # raw alone
+
+
+@pytest.mark.parametrize("retries", [0, 3])
+async def test_an_unreachable_server_costs_one_connect_per_try(retries: int) -> None:
+    """An enqueue whose server accepts and drops every connection tries as often as
+    its client's retry policy says, each try one connect: redis-py's ``connect``
+    retries on its own, and inside the lane's resend its tries multiplied (16 connects
+    for 3 retries, 121 and 45 s of back-off for redis-py's default of 10)."""
+    accepted = 0
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        writer.close()
+
+    listener = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        client = Redis(port=port, retry=Retry(NoBackoff(), retries))
+        worqr = Worqr(client)
+        with pytest.raises(BackendUnavailableError):
+            await worqr.enqueue("q", "t")
+        assert accepted == retries + 1
+        with contextlib.suppress(BackendUnavailableError):
+            await worqr.close()
+        await client.aclose()
+    finally:
+        listener.close()
+        await listener.wait_closed()

@@ -99,7 +99,7 @@ class Consumer:
         self._announced = 0  # tasks announced by ``work`` events since the last take
         self._backlog = False  # tasks may wait that the free slots could not take
         self._blocker: asyncio.Task[None] | None = None  # the blocking take, while idle
-        self._blocked_cancels: set[str] = set()  # tasks cancelled while it waited
+        self._blocked_cancels: set[str] = set()  # cancelled as its task came in
         self._pretaken = 0  # tasks it took whose ``work`` event may still come
         self._claimed = False  # a ``work`` event counted one task as the take's
         self._block_waiting = False  # the take waits: it may be cancelled
@@ -137,7 +137,11 @@ class Consumer:
         elif kind == "cancel":
             if self._dequeuing:  # the dequeue in flight may return it
                 self._cancelled_meanwhile.add(message)
-            if self._blocker is not None:  # and so may the blocking take
+            if self._blocker is not None and not self._block_waiting:
+                # The take's task arrived and is on its way to a handler. A cancel
+                # that came while the block still waited may predate the push that
+                # fed it (a task enqueued again after `cancel_tasks` returned): it
+                # must not stop that task, so only a cancel after the reply counts.
                 self._blocked_cancels.add(message)
             for process, _ in list(self._running.values()):
                 if process.stored == message:

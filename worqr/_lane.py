@@ -26,7 +26,7 @@ from redis.asyncio.connection import AbstractConnection
 
 from ._connections import WaitingSentinelPool
 from ._errors import ClosedError
-from ._wire import Wire, exchange
+from ._wire import Wire, connect_once, exchange
 
 
 class Lane:
@@ -55,7 +55,7 @@ class Lane:
 
             async def attempt() -> list[Any]:
                 if not connection.is_connected and not self._closed:
-                    await connection.connect()  # redis-py's own, which retries as well
+                    await connect_once(connection)  # resent by the retry below
                 if self._closed:  # a resend would open the connection anew, and leak it
                     raise ClosedError(
                         "this Worqr was closed with the round trip on its way: whether"

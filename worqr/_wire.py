@@ -174,7 +174,7 @@ async def exchange(connection: AbstractConnection, commands: Sequence[Wire]) -> 
     replies within the connection's ``socket_timeout`` together."""
     limit = connection.socket_timeout
     if not connection.is_connected:  # a resend: connecting has a time limit of its own
-        await connection.connect()
+        await connect_once(connection)
     try:
         async with _deadline(limit):
             await _write(connection, _packed(connection, commands))
@@ -189,13 +189,21 @@ async def send(connection: AbstractConnection, commands: Sequence[Wire]) -> None
     ``socket_timeout``; their replies are the caller's to read (`replies`)."""
     limit = connection.socket_timeout
     if not connection.is_connected:
-        await connection.connect()
+        await connect_once(connection)
     try:
         async with _deadline(limit):
             await _write(connection, _packed(connection, commands))
     except (TimeoutError, asyncio.TimeoutError):
         await connection.disconnect(nowait=True)
         raise RedisTimeoutError(f"could not write within {limit} s") from None
+
+
+async def connect_once(connection: AbstractConnection) -> None:
+    """Connect ``connection`` (and its handshake) once, without the retries of
+    redis-py's ``connect``: the exchanges that connect are resent by the caller's own
+    retry policy, and a retry inside a retry multiplies the attempts (and their
+    back-offs) while the server cannot be reached."""
+    await connection.connect_check_health(check_health=True, retry_socket_connect=False)
 
 
 async def replies(connection: AbstractConnection, count: int, limit: float | None) -> list[Any]:
