@@ -202,7 +202,11 @@ async def connect_once(connection: AbstractConnection) -> None:
     """Connect ``connection`` (and its handshake) once, without the retries of
     redis-py's ``connect``: the exchanges that connect are resent by the caller's own
     retry policy, and a retry inside a retry multiplies the attempts (and their
-    back-offs) while the server cannot be reached."""
+    back-offs) while the server cannot be reached. A connection class that connects
+    its own way (a Sentinel's asks where the master is first) keeps its way."""
+    if type(connection).connect is not AbstractConnection.connect:
+        await connection.connect()
+        return
     await connection.connect_check_health(check_health=True, retry_socket_connect=False)
 
 
