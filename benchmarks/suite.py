@@ -727,7 +727,10 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
         )
     batch = ours("enqueue_batch")
     if batch:
-        lines.append(f"- Batched enqueue: {batch:,.0f} tasks/s; target 100,000.")
+        lines.append(
+            f"- Batched enqueue: {batch:,.0f} tasks/s; target 100,000: "
+            f"{_verdict(batch, 100_000, ' tasks/s')}."
+        )
     for key, name in (("latency_p50_ms", "p50"), ("latency_p99_ms", "p99")):
         value, rival = ours(key), best(key, peers, False)
         if value and rival:
@@ -748,11 +751,15 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
     if recoveries:
         lines.append(
             f"- Recovery after SIGKILL: at most {max(recoveries):.2f} s over "
-            f"{len(recoveries)} run(s); target worker_timeout + 0.5 s = 3.5 s."
+            f"{len(recoveries)} run(s); target worker_timeout + 0.5 s = 3.5 s: "
+            f"{_verdict(max(recoveries), 3.5, ' s', lower=True)}."
         )
     commands = ours("commands_per_task")
     if commands:
-        lines.append(f"- Redis commands per task (drain): {commands:.2f}; target at most 4.")
+        lines.append(
+            f"- Redis commands per task (drain): {commands:.2f}; target at most 4: "
+            f"{_verdict(commands, 4.0, '', lower=True)}."
+        )
     return lines
 
 
@@ -898,6 +905,8 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
     page.write_text(text)
     print(table(results, libraries))
     print("\n".join(notes))
+    print("\nAgainst the targets:\n" + "\n".join(targets(results, libraries)))
+    print(f"\n(written to {page}, with its .json and .png)")
 
 
 def _chart(out: Path, meta: dict[str, Any]) -> str | None:
