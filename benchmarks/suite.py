@@ -444,7 +444,7 @@ def latency(adapter: Adapter, redis: Redis, n: int, workers: int, results: Resul
                 raise RuntimeError(f"{adapter.library} worker never became ready")
             time.sleep(1.0)
             adapter.run("produce", "--n", str(count), "--interval", "0.005")
-            lines.wait_for(lambda: len(lines.starts) >= count, timeout=60)  # noqa: B023
+            lines.wait_for(lambda count=count: len(lines.starts) >= count, timeout=60)
         delays += [started - float(payload) for payload, started in lines.starts]
     delays.sort()
     if len(delays) < n:
@@ -906,7 +906,7 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
     print(table(results, libraries))
     print("\n".join(notes))
     print("\nAgainst the targets:\n" + "\n".join(targets(results, libraries)))
-    print(f"\n(written to {page}, with its .json and .png)")
+    print(f"\n(written to {page}, with benchmarks.json and the chart beside it)")
 
 
 def _chart(out: Path, meta: dict[str, Any]) -> str | None:
