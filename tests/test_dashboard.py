@@ -111,6 +111,25 @@ async def test_the_page_shows_a_queue_filling_and_draining_without_a_reload(
     await not_reloaded(page)
 
 
+async def test_the_page_loads_with_its_icon_and_no_console_error(
+    browser: Browser, real_make: Factory, redis_url: str, prefix: str
+) -> None:
+    await real_make().enqueue("emails", ["ada"])
+    errors: list[str] = []
+    icons: list[int] = []
+    async with serving(create_app(redis_url, prefix=prefix)) as base:
+        opened = await browser.new_page()
+        opened.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        opened.on("pageerror", lambda exc: errors.append(str(exc)))
+        opened.on("response", lambda r: icons.append(r.status) if "favicon" in r.url else None)
+        await opened.goto(f"{base}/")
+        await expect(row(opened, "emails").locator("td.ready")).to_have_text("1", timeout=WITHIN)
+        await eventually(lambda: bool(icons), within=WITHIN / 1000)
+        await opened.close()
+    assert icons == [200]
+    assert errors == []
+
+
 async def test_a_sigkilled_worker_shows_dead_and_its_tasks_come_back(
     page: Page, real_make: Factory, redis_url: str, prefix: str, tmp_path: Path
 ) -> None:

@@ -319,6 +319,47 @@ async def test_routes_it_does_not_have_answer_in_json(api: tuple[httpx.AsyncClie
     assert error_of(await client.put("/api/queues")) == (405, "method_not_allowed")
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("GET", "/api/queues/x/pause", "POST"),
+        ("GET", "/api/queues/team/x/resume", "POST"),
+        ("GET", "/api/queues/x/cancel", "POST"),
+        ("GET", "/api/queues/x/jobs", "POST"),
+        ("GET", "/api/queues/x/jobs/j1/cancel", "POST"),
+        ("GET", "/api/queues/x/failed/e1/retry", "POST"),
+        ("GET", "/api/queues/x/failed/e1", "DELETE"),
+        ("POST", "/api/queues/x", "DELETE, GET, HEAD"),
+        ("DELETE", "/api/queues/x/pause", "POST"),
+        ("DELETE", "/api/queues/x/tasks", "GET, HEAD, POST"),
+        ("GET", "/api/workers/w/heartbeat", "POST"),
+        ("GET", "/api/processes/w/0123456789abcdef012345/q/finish", "POST"),
+    ],
+)
+async def test_a_route_called_with_another_method_is_405_and_nothing_changes(
+    api: tuple[httpx.AsyncClient, Worqr], method: str, path: str, allowed: str
+) -> None:
+    """Not a read (or a delete) of a queue named after the route's last segments."""
+    client, peer = api
+    await peer.enqueue("x/pause", ["t"])
+    response = await client.request(method, path)
+    assert error_of(response) == (405, "method_not_allowed")
+    assert set(response.headers["allow"].split(", ")) == set(allowed.split(", "))
+    assert await peer.get_tasks("x/pause") == ["t"]
+
+
+async def test_the_dashboard_has_an_icon_where_it_is_mounted(
+    real_make: Factory, redis_url: str, prefix: str
+) -> None:
+    service = Starlette(routes=[Mount("/q", app=create_app(redis_url, prefix=prefix))])
+    async with serving(service) as base, httpx.AsyncClient(base_url=base) as client:
+        page = (await client.get("/q/")).text
+        assert '<link rel="icon" href="/q/favicon.svg"' in page
+        icon = await client.get("/q/favicon.svg")
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+        assert icon.content.startswith(b"<svg")
+
+
 async def test_metrics_are_served_in_the_prometheus_format(
     api: tuple[httpx.AsyncClient, Worqr],
 ) -> None:
@@ -451,7 +492,7 @@ async def test_a_body_past_the_limit_is_refused_before_it_is_read(
     before = await raw_keys(real_client, prefix)
     big = b'{"tasks": ["' + b"x" * (17 * 1024 * 1024) + b'"]}'
     response = await client.post("/api/queues/q/tasks", content=big)
-    assert error_of(response) == (400, "bad_request")
+    assert error_of(response) == (413, "too_large")
     assert "at most" in response.json()["error"]["message"]
     assert await raw_keys(real_client, prefix) == before
 

@@ -6,6 +6,8 @@ repeats nothing."""
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -238,3 +240,153 @@ async def test_leases_racing_a_leave_leave_nothing_held_by_the_departed(
                 tg.start_soon(client.delete, f"/api/workers/{worker}")
     assert sorted(await peer.get_tasks("q")) == sorted(tasks)
     assert await peer.get_processes("q") == [] and await peer.get_failed("q") == []
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["loopback", "proxy"])
+async def test_an_id_live_at_another_app_is_refused_and_no_task_is_leased_twice(
+    slow: bool, proxy: LatencyProxy, redis_url: str, prefix: str, real_make: Factory
+) -> None:
+    """Two apps on one Redis (pods behind a load balancer): the worker's heartbeat
+    reaches the other app (404), so it registers there, as the docs say. The id is
+    live at the first app: the registration is refused, the first twin keeps its
+    processes, and every task is leased once and finished (true) once."""
+    if slow:
+        proxy.delay, proxy.jitter = 0.002, 0.001
+    url = proxy.url if slow else redis_url
+    peer = real_make()
+    tasks = [f"t{i}" for i in range(25)]
+    await peer.enqueue("q", tasks)
+    leased: Counter[str] = Counter()
+    answers: list[object] = []
+    beats: list[int] = []
+    refusals: list[tuple[int, str, str]] = []
+    async with (
+        serving(create_app(url, prefix=prefix)) as first,
+        serving(create_app(url, prefix=prefix)) as second,
+        httpx.AsyncClient(base_url=first) as a,
+        httpx.AsyncClient(base_url=second) as b,
+    ):
+        body = {"queues": ["q"], "worker_id": "pod-hopper"}
+        assert (await a.post("/api/workers", json=body)).status_code == 201
+        home, away = a, b
+        while sum(leased.values()) < len(tasks) and len(answers) < 4 * len(tasks):
+            held = await take(home, "pod-hopper", "q", 5)
+            leased.update(p["task"] for p in held)
+            beat = await away.post("/api/workers/pod-hopper/heartbeat")
+            beats.append(beat.status_code)  # 404: not registered there
+            again = await away.post("/api/workers", json=body)
+            if again.status_code == 201:  # taken over: its leases are the new twin's
+                home, away = away, home
+            else:
+                refusals.append((*error_of(again), again.json()["error"]["message"]))
+            for process in held:  # through the other app: any app finishes any process
+                reply = await away.post(f"/api/processes/{process['id']}/finish", json={})
+                answers.append(reply.json()["finished"])
+        assert (await home.delete("/api/workers/pod-hopper")).json() == {"returned": 0}
+    assert leased == Counter(tasks)  # each task leased exactly once
+    assert answers == [True] * len(tasks)
+    assert set(beats) == {404}
+    assert {refusal[:2] for refusal in refusals} == {(409, "duplicate")}
+    assert all("live elsewhere" in refusal[2] for refusal in refusals)
+    assert await peer.get_tasks("q") == [] and await peer.get_processes("q") == []
+    assert (await peer.check()).ok
+
+
+async def test_the_watch_survives_a_close_that_raises(
+    redis_url: str, prefix: str, real_make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The close of a silent worker's twin fails (its connections were killed, and the
+    close raises): the watch logs it and goes on, so that the next silent worker's
+    twin is closed too and a live peer reclaims its tasks."""
+    peer = real_make(**FAST)
+    await peer.start_worker()
+    await peer.enqueue("q", ["a", "b"])
+    app = create_app(redis_url, prefix=prefix)
+    async with serving(app) as base, httpx.AsyncClient(base_url=base) as client:
+        broken = await register(client, "q", patience=0.3)
+        silent = await register(client, "q", patience=3.0)
+        assert [p["task"] for p in await take(client, silent, "q", 2)] == ["a", "b"]
+        twin = app.state.http_workers._twins[broken].worqr
+        closing = twin.close
+
+        async def close() -> None:
+            await closing()
+            raise RuntimeError("the close failed")
+
+        twin.close = close
+
+        async def reclaimed() -> bool:
+            back = sorted(await peer.get_tasks("q")) == ["a", "b"]
+            return back and silent not in await peer.get_workers()
+
+        await eventually(reclaimed, within=30)
+        assert broken not in app.state.http_workers._twins
+    assert "closing the twin of HTTP worker" in caplog.text
+
+
+async def test_finishes_and_fails_keep_an_http_worker_alive(
+    client: httpx.AsyncClient, real_make: Factory
+) -> None:
+    """A worker that leases once, then only finishes and fails, one call every half
+    second, for twice its timeout, never calls its heartbeat route and stays
+    registered (a gap would have to pass 2.5 s to lose it)."""
+    peer = real_make()
+    await peer.enqueue("q", [f"t{i}" for i in range(40)])
+    worker = await register(client, "q", patience=3.0)
+    processes = await take(client, worker, "q", 40)
+    start = time.monotonic()
+    for i, process in enumerate(processes):
+        if time.monotonic() - start > 6.0:
+            break
+        await anyio.sleep(0.5)
+        verb, body = ("fail", {"error": "odd"}) if i % 2 else ("finish", {})
+        reply = await client.post(f"/api/processes/{process['id']}/{verb}", json=body)
+        assert reply.status_code == 200 and list(reply.json().values()) == [True]
+    else:
+        pytest.fail("the calls did not outlast the timeout")
+    assert (await client.post(f"/api/workers/{worker}/heartbeat")).status_code == 200
+    await client.delete(f"/api/workers/{worker}")
+
+
+async def test_a_twin_that_stalled_while_another_app_took_its_id_stays_fenced(
+    redis_url: str, prefix: str, real_make: Factory, real_client: Redis
+) -> None:
+    """The first app's event loop stalls until the worker's heartbeat expired, and the
+    worker registers at the second app (the id is free then) and leases there. When
+    the stall ends, the first twin finds its lease lapsed: it neither recovers the id
+    (which would hand the second twin's processes back) nor audits them as strays;
+    its app closes it, and every finish through the second app answers true."""
+    peer = real_make()
+    await peer.enqueue("q", ["a", "b", "c", "d"])
+    first_app = create_app(redis_url, prefix=prefix)
+    body = {"queues": ["q"], "worker_id": "stalled", "timeout": 60}
+    async with (
+        serving(first_app) as first,
+        serving(create_app(redis_url, prefix=prefix)) as second,
+        httpx.AsyncClient(base_url=first) as a,
+        httpx.AsyncClient(base_url=second) as b,
+    ):
+        assert (await a.post("/api/workers", json=body)).status_code == 201
+        assert [p["task"] for p in await take(a, "stalled", "q", 2)] == ["a", "b"]
+        twin = first_app.state.http_workers._twins["stalled"].worqr
+        release = threading.Event()
+        twin._runner.get_loop().call_soon_threadsafe(release.wait, 60)  # the stall
+        try:
+
+            async def expired() -> bool:
+                return not await real_client.exists(f"{prefix}:w:{{stalled}}:alive")
+
+            await eventually(expired, within=30)
+            assert (await b.post("/api/workers", json=body)).status_code == 201
+            held = await take(b, "stalled", "q", 4)  # a and b came back first
+            assert sorted(p["task"] for p in held) == ["a", "b", "c", "d"]
+        finally:
+            release.set()
+        await eventually(lambda: twin._closed, within=30)
+        assert error_of(await a.post("/api/workers/stalled/heartbeat")) == (404, "not_found")
+        assert sorted(p.id for p in await peer.get_processes("q")) == sorted(p["id"] for p in held)
+        for process in held:
+            reply = await b.post(f"/api/processes/{process['id']}/finish", json={})
+            assert reply.json() == {"finished": True}
+        assert (await b.delete("/api/workers/stalled")).json() == {"returned": 0}
+    assert await peer.get_tasks("q") == [] and await peer.get_processes("q") == []

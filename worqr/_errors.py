@@ -74,6 +74,11 @@ class DuplicateTaskError(WorqrError):
     """Raised when a unique task is enqueued while an identical unique task is live."""
 
 
+class WorkerLiveError(WorqrError):
+    """Raised when a worker id is registered while it is live elsewhere, where taking
+    it over is refused (an HTTP worker's registration: see docs/http.md)."""
+
+
 class ClosedError(WorqrError):
     """Raised when a closed `Worqr` is used."""
 

@@ -2779,9 +2779,17 @@ async def processes(r: Client, keys: Keys, queues: Sequence[str] | None = None) 
 
 @redis_boundary
 async def register_worker(
-    r: Client, keys: Keys, worker_id: str, timeout_ms: int, queues: Iterable[str]
-) -> None:
-    """Mark a worker alive and list it, with the queues it works on.
+    r: Client,
+    keys: Keys,
+    worker_id: str,
+    timeout_ms: int,
+    queues: Iterable[str],
+    *,
+    exclusive: bool = False,
+) -> bool:
+    """Mark a worker alive and list it, with the queues it works on. ``exclusive``:
+    only if its heartbeat is absent (False, and nothing of the worker's own written,
+    when it is live: an id is live in one place at a time).
 
     The registry entry comes first: every key of a worker that a crash between the
     steps (two round trips on a Cluster) can leave behind is then findable by the
@@ -2789,16 +2797,25 @@ async def register_worker(
     whose heartbeat is not yet set may be failed by a peer meanwhile: it holds
     nothing yet, and its own next `touch_worker` lists it again.
       1. SADD workers <w>
-      2. SET alive <now> PX <timeout>
-      3. SADD w:queues queue...        (if any)
+      2. SET alive <now> PX <timeout>   (NX when exclusive)
+      3. SADD w:queues queue...        (if any; after the SET when exclusive)
     """
     queue_list = list(queues)
-    own: list[Command] = [("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms)]
-    if queue_list:
-        own.append(("SADD", keys.worker_queues(worker_id), *queue_list))
+    beat = ("SET", keys.heartbeat(worker_id), str(time.time()), "PX", timeout_ms)
+    own: list[Command] = [(*beat, "NX") if exclusive else beat]
+    work: list[Command] = (
+        [("SADD", keys.worker_queues(worker_id), *queue_list)] if queue_list else []
+    )
+    if not exclusive:
+        own += work
     listed: list[Command] = [("SADD", keys.workers, worker_id)]
     replies = await _in_order(r, [(keys.workers, listed), (keys.heartbeat(worker_id), own)])
     _raise_wrong(own, replies[1:])  # a wrong-typed registry is the check's to report
+    if replies[1] is None:
+        return False
+    if exclusive and work:
+        _raise_wrong(work, await reads(r, work))
+    return True
 
 
 @redis_boundary

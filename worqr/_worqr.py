@@ -46,6 +46,7 @@ from ._errors import (
     NotWorkingError,
     ProtocolVersionError,
     ReplicationError,
+    WorkerLiveError,
     WorkerNotStartedError,
     redis_boundary,
 )
@@ -1179,6 +1180,17 @@ class Worqr:
 
     # -- the worker --------------------------------------------------------------------
 
+    _exclusive = False
+    """Whether this worker's id, live elsewhere, is refused (`WorkerLiveError` at the
+    start; a lost lease then stays lost) rather than taken over: an HTTP worker's
+    twin (worqr.web), whose id another app of the fleet may hold."""
+
+    def _live_elsewhere(self) -> WorkerLiveError:
+        return WorkerLiveError(
+            f"worker {self._worker_id!r} is live elsewhere (its heartbeat is set):"
+            " it is not taken over"
+        )
+
     def _require_worker(self) -> None:
         if self._closed:
             raise ClosedError("this Worqr is closed")
@@ -1211,8 +1223,10 @@ class Worqr:
     async def _start_worker(self, tg: anyio.abc.TaskGroup) -> None:
         await self._check_connection()
         await self._clock.sample(self._redis)  # due times and deadlines are server time
-        if self._explicit_id:
-            await self._fail_dead(self._worker_id, only_if_dead=False)
+        if self._explicit_id and not await self._fail_dead(
+            self._worker_id, only_if_dead=self._exclusive
+        ):
+            raise self._live_elsewhere()
         supervisor = Supervisor(
             self,
             self._log,
@@ -1222,9 +1236,15 @@ class Worqr:
             worker_timeout=self._worker_timeout,
             cleanup_interval=self._cleanup_interval,
         )
-        await _ops.register_worker(
-            self._redis, self._keys, self._worker_id, supervisor.timeout_ms, ()
-        )
+        if not await _ops.register_worker(
+            self._redis,
+            self._keys,
+            self._worker_id,
+            supervisor.timeout_ms,
+            (),
+            exclusive=self._exclusive,
+        ):
+            raise self._live_elsewhere()
         if self._closed:
             raise ClosedError("this Worqr was closed while its worker started")
         self._lost = False
@@ -1527,14 +1547,18 @@ class Worqr:
         async with self._recovering:
             if not self._lost:
                 return
-            await self._fail_dead(self._worker_id, only_if_dead=False)
-            await _ops.register_worker(
+            if not await self._fail_dead(
+                self._worker_id, only_if_dead=self._exclusive
+            ) or not await _ops.register_worker(
                 self._redis,
                 self._keys,
                 self._worker_id,
                 max(1, round(self._worker_timeout * 1000)),
                 self._working,
-            )
+                exclusive=self._exclusive,
+            ):
+                self._log.warning("worker id is live elsewhere: this worker stays fenced")
+                return
             self._lost = False
         if self._supervisor is not None:
             self._supervisor.refreshed()
@@ -1581,7 +1605,7 @@ class Worqr:
         a key of the wrong type) are neither: nothing is known of them.
         """
         epoch, known = snapshot
-        if epoch != self._epoch or self._lost:  # the leases were lost meanwhile: the
+        if epoch != self._epoch or self._lease_lapsed():  # lost meanwhile, or may be: the
             return  # recovery hands back what is recorded; this read is out of date
         present = set(recorded)
         for pid in known - present:

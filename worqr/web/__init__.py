@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import html
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,7 +33,10 @@ from ._leases import HttpWorkers
 __all__ = ["create_app"]
 
 PAGE = (Path(__file__).parent / "page.html").read_text(encoding="utf-8")
-"""The dashboard: one page, fed by ``/api/events``."""
+"""The dashboard: one page, fed by ``/api/events``; ``{root}`` is where it is mounted."""
+
+ICON = (Path(__file__).parent / "favicon.svg").read_bytes()
+"""The dashboard's icon (a browser asks for one on every load)."""
 
 
 def create_app(
@@ -83,7 +87,11 @@ def create_app(
         return Response(await scrape(collector), media_type=CONTENT_TYPE)
 
     async def page(request: Request) -> Response:
-        return HTMLResponse(PAGE)
+        return HTMLResponse(PAGE.replace("{root}", html.escape(request.scope.get("root_path", ""))))
+
+    async def icon(request: Request) -> Response:
+        headers = {"Cache-Control": "max-age=86400"}
+        return Response(ICON, media_type="image/svg+xml", headers=headers)
 
     async def live(request: Request) -> Response:
         return _live.events(feed)
@@ -91,11 +99,14 @@ def create_app(
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
-        return _problems.answer(code, str(exc.detail))
+        response = _problems.answer(code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     app = Starlette(
         routes=[
             Route("/", page, methods=["GET"]),
+            Route("/favicon.svg", icon, methods=["GET"]),
             Route("/api/events", live, methods=["GET"]),
             *_api.routes(worqr, authorize),
             Route("/metrics", metrics, methods=["GET"]),

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
+from starlette.types import Scope
 
 from .._errors import JobFailedError
 from .._jobs import JobInfo
@@ -39,12 +40,14 @@ async def body_of(request: Request) -> dict[str, Any]:
     all read)."""
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > MAX_BODY:
-        raise Problem("bad_request", f"the body has {declared} bytes; at most {MAX_BODY}")
+        raise Problem("too_large", f"the body has {declared} bytes; at most {MAX_BODY}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY:
-            raise Problem("bad_request", f"the body has more than {MAX_BODY} bytes")
+            raise Problem(
+                "too_large", f"the body has more than {MAX_BODY} bytes; at most {MAX_BODY}"
+            )
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
@@ -329,6 +332,7 @@ async def leave(worqr: Worqr, request: Request) -> Any:
 
 
 async def finish(worqr: Worqr, request: Request) -> Any:
+    """The attempt succeeded (a heartbeat too, at the app that holds the worker)."""
     ref = parse_process_id(request.path_params["process_id"])
     result = field(await body_of(request), "result", str, None)
     holder = http_workers(request).holder(ref.id) or worqr
@@ -337,7 +341,7 @@ async def finish(worqr: Worqr, request: Request) -> Any:
 
 async def fail(worqr: Worqr, request: Request) -> Any:
     """The attempt failed: a job with attempts left goes back after its backoff, any
-    other task to the failed list."""
+    other task to the failed list (a heartbeat too, at the app that holds the worker)."""
     ref = parse_process_id(request.path_params["process_id"])
     error = field(await body_of(request), "error", str)
     holder = http_workers(request).holder(ref.id) or worqr
@@ -371,18 +375,43 @@ ROUTES: list[tuple[str, str, Handler]] = [  # the longest first: a queue name ma
 
 
 def routes(worqr: Callable[[], Worqr], authorize: Callable[[Request], None]) -> list[Route]:
-    """Every API route, on the `Worqr` ``worqr()`` gives; a write is authorized first."""
+    """Every API route, one per path (its methods answered by their handlers), on the
+    `Worqr` ``worqr()`` gives; a write is authorized first."""
+    paths: dict[str, dict[str, Handler]] = {}
+    for method, path, handler in ROUTES:
+        paths.setdefault(path, {})[method] = handler
 
-    def endpoint(handler: Handler, *, write: bool) -> Callable[[Request], Awaitable[Any]]:
+    def endpoint(handlers: dict[str, Handler]) -> Callable[[Request], Awaitable[Any]]:
         async def run(request: Request) -> Any:
-            if write:
+            method = "GET" if request.method == "HEAD" else request.method
+            if method != "GET":
                 authorize(request)
-            reply = await handler(worqr(), request)
+            reply = await handlers[method](worqr(), request)
             return reply if isinstance(reply, JSONResponse) else JSONResponse(reply)
 
         return run
 
-    return [
-        Route(path, endpoint(handler, write=method != "GET"), methods=[method])
-        for method, path, handler in ROUTES
-    ]
+    made: list[Route] = []
+    for path, handlers in paths.items():
+        made.append(_Route(path, endpoint(handlers), list(handlers), made[:]))
+    return made
+
+
+class _Route(Route):
+    """A route that leaves a path to the routes before it (longer ones: `ROUTES`) when
+    one of them has it with another method: ``GET /api/queues/x/pause`` is then 405,
+    as the pause route answers it, rather than a read of a queue ``x/pause``."""
+
+    def __init__(
+        self, path: str, endpoint: Callable[..., Any], methods: list[str], before: list[Route]
+    ) -> None:
+        super().__init__(path, endpoint, methods=methods)
+        self._before = before
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is Match.FULL and any(
+            route.matches(scope)[0] is Match.PARTIAL for route in self._before
+        ):
+            return Match.NONE, {}
+        return match, child

@@ -1,14 +1,17 @@
 """Workers that speak only HTTP. Each one registered through the API gets a twin in
 the app: a `Worqr` with the worker's id, started as a worker (its heartbeat loop keeps
 the worker's Redis lease), that takes tasks for it. The HTTP worker keeps the twin by
-calling its heartbeat route within its ``timeout``; once it misses that, the twin is
-closed as if it had crashed (no hand-back), so that live peers reclaim its processes
-after ``worker_timeout`` exactly as they reclaim any dead worker's, counting the
-death for quarantine. A server that dies takes its twins' heartbeats with it: the
-same reclaim. Finishing or failing a process works through any app of the fleet (by
-the process id alone), so a load balancer may send an HTTP worker's calls anywhere;
-its heartbeats must reach the app that registered it (any other answers 404: it
-registers anew, and its old twin's processes come back)."""
+calling its heartbeat route (or leasing, finishing, failing here) within its
+``timeout``; once it misses that, the twin is closed as if it had crashed (no
+hand-back), so that live peers reclaim its processes after ``worker_timeout`` exactly
+as they reclaim any dead worker's, counting the death for quarantine. A server that
+dies takes its twins' heartbeats with it: the same reclaim. Finishing or failing a
+process works through any app of the fleet (by the process id alone), so a load
+balancer may send an HTTP worker's calls anywhere; its heartbeats and leases must
+reach the app that registered it. A worker id is live in one place at a time: a
+registration of an id whose heartbeat is set in Redis (its twin lives in another app,
+or a `Worqr` runs under it) is refused, decided by Redis (``SET NX``), never taken
+over: a twin taken over would be running while its processes went back."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from dataclasses import dataclass
 
 import anyio
 
+from .._errors import WorkerLiveError
 from .._flow import Throttled
+from .._log import logger
 from .._models import Process
 from .._names import parse_process_id
 from .._worqr import Worqr
@@ -26,6 +31,12 @@ from ._problems import Problem
 
 CHECK_EVERY = 0.5
 """Seconds between looks for HTTP workers that stopped calling."""
+
+
+class _TwinWorqr(Worqr):
+    """A twin: its id, live elsewhere, is refused rather than taken over."""
+
+    _exclusive = True
 
 
 @dataclass
@@ -53,10 +64,11 @@ class HttpWorkers:
     ) -> Worqr:
         """A worker working on ``queues`` on ``base``'s server and prefix, kept while its
         heartbeat comes within ``patience`` seconds. With an id of its own, a previous
-        life of that worker hands its processes back first (as `Worqr.start_worker`)."""
+        life of that worker hands its processes back first (as `Worqr.start_worker`),
+        unless the id is live: then `Problem` ``duplicate``, nothing taken over."""
         if worker_id is not None and worker_id in self._twins:
             raise Problem("duplicate", f"the HTTP worker {worker_id!r} is registered here")
-        twin = Worqr(
+        twin = _TwinWorqr(
             base._given,
             worker_id=worker_id,
             prefix=base.prefix,
@@ -68,8 +80,15 @@ class HttpWorkers:
             await twin.start_worker()
             for queue in queues:
                 await twin.start_work(queue)
-        except BaseException:
+        except BaseException as exc:
             await twin.close()
+            if isinstance(exc, WorkerLiveError):
+                raise Problem(
+                    "duplicate",
+                    f"the HTTP worker {twin.worker_id!r} is live elsewhere (registered at"
+                    " another app of the fleet, or a worker runs under that id): send its"
+                    " calls there, or register once that registration left or timed out",
+                ) from None
             raise
         held = _Twin(twin, patience, time.monotonic(), twin._epoch, anyio.Lock())
         self._twins[twin.worker_id] = held
@@ -83,9 +102,9 @@ class HttpWorkers:
         held = self._twins.get(worker_id)
         if held is None or time.monotonic() - held.seen > held.timeout:
             raise Problem("not_found", f"no live HTTP worker {worker_id!r} here: register again")
-        if held.worqr._epoch != held.epoch or held.worqr._lost:
+        if self._lapsed(held):
             del self._twins[worker_id]
-            await held.worqr.close()
+            await self._retire(held)
             raise Problem(
                 "not_found",
                 f"HTTP worker {worker_id!r} lost its lease (its processes go back to their"
@@ -100,6 +119,8 @@ class HttpWorkers:
         async with held.lock:
             if self._twins.get(worker_id) is not held:  # it left meanwhile
                 raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
+            if self._lapsed(held):  # the lease may have run out meanwhile
+                raise Problem("not_found", f"HTTP worker {worker_id!r} lost its lease")
             if queue not in held.worqr._working:
                 raise Problem("bad_request", f"this worker did not register for {queue!r}")
             try:
@@ -107,10 +128,21 @@ class HttpWorkers:
             except Throttled:
                 return []
 
+    @staticmethod
+    def _lapsed(held: _Twin) -> bool:
+        """Whether the twin's lease was lost or may have run out (not refreshed within
+        ``worker_timeout``): then its processes may be back in their queues."""
+        return held.worqr._epoch != held.epoch or held.worqr._lease_lapsed()
+
     def holder(self, process_id: str) -> Worqr | None:
-        """The twin that holds ``process_id``, if it is here and live."""
+        """The twin that holds ``process_id``, if it is here and live; the call (a
+        finish, a fail) counts as its worker's heartbeat."""
         held = self._twins.get(parse_process_id(process_id).worker_id)
-        return None if held is None else held.worqr
+        now = time.monotonic()
+        if held is None or now - held.seen > held.timeout or self._lapsed(held):
+            return None
+        held.seen = now
+        return held.worqr
 
     async def leave(self, worker_id: str) -> int:
         """The HTTP worker leaves: what it holds goes back to the front of its queues."""
@@ -118,6 +150,9 @@ class HttpWorkers:
         if held is None:
             raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
         async with held.lock:
+            if held.worqr._lease_lapsed():  # what it held may be another twin's by now
+                await held.worqr.close()
+                raise Problem("not_found", f"HTTP worker {worker_id!r} lost its lease")
             returned = await held.worqr.fail_worker()
         await held.worqr.close()
         return returned
@@ -128,15 +163,28 @@ class HttpWorkers:
             self._watcher.cancel()
         twins, self._twins = list(self._twins.values()), {}
         for held in twins:
+            await self._retire(held)
+
+    @staticmethod
+    async def _retire(held: _Twin) -> None:
+        """Close a twin, handing back what it holds (which frees its id at once) only
+        while its lease is surely its own: lapsed, the id may be another twin's now."""
+        if held.worqr._lease_lapsed():
+            await held.worqr.close()
+        else:
             await held.worqr.shutdown(grace=0)
 
     async def _watch(self) -> None:
-        """Close the twin of every HTTP worker whose heartbeat stopped: peers reclaim."""
+        """Close the twin of every HTTP worker whose heartbeat stopped (peers reclaim)
+        or whose lease is lost; a close that fails is logged, and the watch goes on."""
         while self._twins:
             await anyio.sleep(CHECK_EVERY)
             now = time.monotonic()
             for worker_id, held in list(self._twins.items()):
-                if now - held.seen > held.timeout:
+                if now - held.seen > held.timeout or held.worqr._lost:
                     del self._twins[worker_id]
-                    async with held.lock:
-                        await held.worqr.close()
+                    try:
+                        async with held.lock:
+                            await held.worqr.close()
+                    except Exception:
+                        logger.exception("closing the twin of HTTP worker %s failed", worker_id)

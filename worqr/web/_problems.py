@@ -20,6 +20,7 @@ CODES = {
     "not_found": 404,
     "method_not_allowed": 405,
     "duplicate": 409,
+    "too_large": 413,
     "dependency": 422,
     "backend": 502,
     "unavailable": 503,
