@@ -15,7 +15,7 @@ import anyio
 from ._errors import BackendError, CorruptDataError
 from ._events import work_count
 from ._flow import Throttled
-from ._handlers import BadResult, check_result
+from ._handlers import BadResult, LargeResult, check_result
 from ._jobs import Retry
 from ._log import PeerLog, excerpt
 from ._models import Process, escaped
@@ -29,7 +29,7 @@ _HAND_BACK_LIMIT = 10.0
 _PRETAKEN_WINDOW = 0.05  # seconds within which a blocking take's push is announced
 _HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
 _TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
-_REFUSED = "refused"  # the handler's result is not a str or None: failed, not tried again
+_REFUSED = "refused"  # the handler's result cannot be stored: failed, not tried again
 
 
 class Host(Protocol):
@@ -56,6 +56,9 @@ class Host(Protocol):
     async def _block_take(self, queue: str, received: Callable[[], None]) -> list[Process]: ...
 
     def _lease_lapsed(self) -> bool: ...
+
+    @property
+    def max_payload_bytes(self) -> int: ...
 
 
 class Consumer:
@@ -404,7 +407,7 @@ class Consumer:
         started = time.monotonic()
         try:
             result = await self._handler(process)
-            detail = check_result(result)
+            detail = check_result(result, self._host.max_payload_bytes)
             if process.timeout is not None and time.monotonic() - started > process.timeout:
                 self._end_now(process.id, _TIMED_OUT)  # it ran over without yielding
         except asyncio.CancelledError as exc:
@@ -418,6 +421,8 @@ class Consumer:
                 detail += f", but attempt {process.attempt} of {process.max_attempts} was the last"
         except BadResult as exc:
             outcome, detail, error = _REFUSED, f"TypeError: {exc}", exc
+        except LargeResult as exc:
+            outcome, detail, error = _REFUSED, f"ValueError: {exc}", exc
         except (KeyboardInterrupt, SystemExit):
             raise  # they stop the program: its tasks go back, as at any exit
         except BaseException as exc:  # an Exception, or another kind (pytest.fail's)

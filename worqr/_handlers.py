@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._models import storable
+from ._names import oversized
 
 ADVICE = (
     "write it as `async def handler(process)`; run blocking code inside it with"
@@ -56,15 +57,26 @@ class BadResult(TypeError):
     stored."""
 
 
-def check_result(result: object) -> str | None:
+class LargeResult(ValueError):
+    """A handler returned a str over ``max_payload_bytes``."""
+
+
+def check_result(result: object, limit: int) -> str | None:
     """A handler's result, or `BadResult` for one that is neither str nor None, or a
     str with a lone surrogate that stands for no byte (see `storable`): written, it
-    would fail every time, and the whole batch of ends with it."""
+    would fail every time, and the whole batch of ends with it. `LargeResult` for a
+    str over ``limit`` bytes, which would not be stored either."""
     if result is None:
         return result
     if isinstance(result, str):
         if storable(result):
-            return result
+            size = oversized(result, limit)
+            if size is None:
+                return result
+            raise LargeResult(
+                f"handler returned a result of {size} bytes, over max_payload_bytes ({limit}):"
+                " store large data elsewhere (its work is done, so the task is not tried again)"
+            )
         raise BadResult(
             f"handler returned a str that cannot be stored (a lone surrogate): {RESULT_ADVICE}"
             " (its work is done, so the task is not tried again)"

@@ -106,6 +106,43 @@ def check_task(task: object) -> str:
     return task
 
 
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+"""The default ``max_payload_bytes``: the HTTP API's body limit."""
+
+
+def check_payload_limit(value: object) -> int:
+    """Return ``value`` if it is a positive int (a number of bytes)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_payload_bytes must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"max_payload_bytes must be at least 1, got {value}")
+    return value
+
+
+def oversized(text: str, limit: int) -> int | None:
+    """The size of ``text`` in bytes as stored (UTF-8, a lone surrogate from
+    ``surrogateescape`` as its one byte) when it is over ``limit``, else None. Most
+    texts are settled by their length alone: a character is 1 to 4 bytes."""
+    if len(text) * 4 <= limit:
+        return None
+    size = len(text.encode("utf-8", "surrogateescape"))
+    return size if size > limit else None
+
+
+def check_sizes(what: str, texts: Sequence[str], limit: int) -> None:
+    """Raise `ValueError` naming the limit if one of ``texts`` (a ``what``: payload,
+    result) is over ``limit`` bytes; checked before anything is written, so a call
+    refused writes nothing."""
+    for index, text in enumerate(texts):
+        size = oversized(text, limit)
+        if size is not None:
+            which = f"{what} {index}" if len(texts) > 1 else what
+            raise ValueError(
+                f"{which} has {size} bytes, over max_payload_bytes ({limit}): store large"
+                " data elsewhere and pass a reference to it"
+            )
+
+
 def check_tasks(task_or_tasks: object) -> list[str]:
     """Normalise one task or a non-empty sequence of tasks to a list."""
     if isinstance(task_or_tasks, str):

@@ -93,7 +93,7 @@ async def serve(
     """Consume every queue of ``queues`` with ``handler`` until each is deleted or a
     stop signal; returns the exit code, 0."""
     stop = SignalStop(worqr, grace)
-    work = handler if quiet else talk(handler, lambda: stop.signalled)
+    work = handler if quiet else talk(handler, lambda: stop.signalled, worqr.max_payload_bytes)
 
     async def consume(queue: str) -> None:
         try:

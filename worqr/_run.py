@@ -180,7 +180,9 @@ async def serve(
         with consuming:
             try:
                 handler = (
-                    worker.run_task if quiet else talk(worker.run_task, lambda: stop.signalled)
+                    worker.run_task
+                    if quiet
+                    else talk(worker.run_task, lambda: stop.signalled, worqr.max_payload_bytes)
                 )
                 await worqr.consume(queue, handler, concurrency=concurrency)
             except ClosedError:

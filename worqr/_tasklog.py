@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ._consumer import Handler
-from ._handlers import BadResult, check_result
+from ._handlers import BadResult, LargeResult, check_result
 from ._log import excerpt
 from ._models import Process
 
@@ -29,20 +29,24 @@ def announce(worker_id: str, queues: Sequence[str], concurrency: int) -> None:
     )
 
 
-def talk(handler: Handler, stopping: Callable[[], bool]) -> Handler:
+def talk(handler: Handler, stopping: Callable[[], bool], limit: int) -> Handler:
     """``handler``, logging one line when each call ends (returned, raised, stopped).
     ``stopping()`` says whether the worker is shutting down: a handler cancelled then
-    has its task handed back to the front of its queue."""
+    has its task handed back to the front of its queue. ``limit`` is the worker's
+    ``max_payload_bytes``: a result over it is logged as the failure it is."""
 
     async def talking(process: Process) -> str | None:
         started = time.monotonic()
         outcome = "stopped"  # cancelled: a cancel event, a timeout, a shutdown
         try:
-            result = check_result(await handler(process))
+            result = check_result(await handler(process), limit)
             outcome = "done"
             return result
         except BadResult as exc:  # the record says TypeError: so does the line
             outcome = f"failed: TypeError: {exc}".split("\n")[0]
+            raise
+        except LargeResult as exc:
+            outcome = f"failed: ValueError: {exc}"
             raise
         except Exception as exc:
             outcome = f"failed: {type(exc).__name__}: {exc}".split("\n")[0]

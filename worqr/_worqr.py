@@ -70,11 +70,14 @@ from ._models import (
     storable,
 )
 from ._names import (
+    MAX_PAYLOAD_BYTES,
     ProcessRef,
     check_failed_id,
     check_interval,
+    check_payload_limit,
     check_prefix,
     check_queue,
+    check_sizes,
     check_task,
     check_tasks,
     check_worker_id,
@@ -129,6 +132,10 @@ class Worqr:
     ``wait_replicas`` (default 0: off) makes `enqueue` wait until that many replicas
     have the tasks (Redis ``WAIT``, at most ``wait_timeout``), so that a failover
     right after it returns cannot lose them (see docs/scaling.md).
+
+    ``max_payload_bytes`` (default 16 MiB, the HTTP API's body limit) caps a task, a
+    job's or schedule's payload and a result, in UTF-8 bytes: a call with one over it
+    raises `ValueError` and writes nothing; a handler's result over it fails its task.
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class Worqr:
         quarantine_after: int | None = 3,
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
         if not isinstance(redis, Redis | RedisCluster):
             raise TypeError(
@@ -185,6 +193,7 @@ class Worqr:
             if wait_replicas
             else None
         )
+        self._max_payload = check_payload_limit(max_payload_bytes)
         self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._log = PeerLog(self._worker_id)
@@ -255,6 +264,11 @@ class Worqr:
     def worker_id(self) -> str:
         """This peer's worker id."""
         return self._worker_id
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """The most bytes (UTF-8) a task, payload or result may have here."""
+        return self._max_payload
 
     @property
     def prefix(self) -> str:
@@ -466,6 +480,7 @@ class Worqr:
         """
         check_queue(queue)
         tasks = [check_plain_task(task) for task in check_tasks(task_or_tasks)]
+        check_sizes("task", tasks, self._max_payload)
         level = check_priority(priority)
         if level != "normal":
             await self._enable_jobs()  # version-2 peers know no levels: they must refuse
@@ -632,6 +647,7 @@ class Worqr:
         choices: JobOptions,
         after: list[str],
     ) -> list[Job]:
+        check_sizes("payload", payloads, self._max_payload)
         await self._enable_jobs()
         now = await self._clock.now_ms(self._redis)
         due = choices.due_ms(now)
@@ -739,6 +755,7 @@ class Worqr:
         if not isinstance(payload, str):
             raise TypeError(f"payload must be a str, not {type(payload).__name__}")
         check_plain_task(check_task(payload))
+        check_sizes("payload", [payload], self._max_payload)
         choices = job_options(
             max_attempts=max_attempts,
             backoff=backoff,
@@ -1089,6 +1106,8 @@ class Worqr:
             raise TypeError(f"result must be a str or None, not {type(result).__name__}")
         if result is not None and not storable(result):
             raise ValueError("result cannot be stored: it has a lone surrogate")
+        if result is not None:
+            check_sizes("result", [result], self._max_payload)
         ref = self._ref(process)
         if await self._fenced(ref):
             return False

@@ -23,8 +23,9 @@ from .._worqr import Worqr
 from ._leases import HttpWorkers
 from ._problems import Problem
 
-MAX_BODY = 16 * 1024 * 1024
-"""Bytes a request body may have."""
+BODY_ROOM = 64 * 1024
+"""Bytes a request body may have beyond the `Worqr`'s ``max_payload_bytes``: room for
+the JSON around a payload (or result) of that size, which the `Worqr` then judges."""
 
 MAX_WAIT = 60.0
 """Seconds a job read may wait for the job to end (``?wait=``)."""
@@ -35,19 +36,18 @@ _MISSING: Any = object()
 Handler = Callable[[Worqr, Request], Awaitable[Any]]
 
 
-async def body_of(request: Request) -> dict[str, Any]:
-    """The request's JSON object, refused once it passes `MAX_BODY` bytes (before it is
-    all read)."""
+async def body_of(worqr: Worqr, request: Request) -> dict[str, Any]:
+    """The request's JSON object, refused once it passes ``max_payload_bytes`` plus
+    `BODY_ROOM` bytes (before it is all read)."""
+    most = worqr.max_payload_bytes + BODY_ROOM
     declared = request.headers.get("content-length", "0")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise Problem("too_large", f"the body has {declared} bytes; at most {MAX_BODY}")
+    if declared.isdigit() and int(declared) > most:
+        raise Problem("too_large", f"the body has {declared} bytes; at most {most}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY:
-            raise Problem(
-                "too_large", f"the body has more than {MAX_BODY} bytes; at most {MAX_BODY}"
-            )
+        if size > most:
+            raise Problem("too_large", f"the body has more than {most} bytes; at most {most}")
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
@@ -187,7 +187,7 @@ def _wait(text: str) -> float:
 
 
 async def enqueue(worqr: Worqr, request: Request) -> Any:
-    body = await body_of(request)
+    body = await body_of(worqr, request)
     tasks = strings(body, "tasks")
     unique = field(body, "unique", bool, False)
     priority = field(body, "priority", str, "normal")
@@ -196,7 +196,7 @@ async def enqueue(worqr: Worqr, request: Request) -> Any:
 
 
 async def submit(worqr: Worqr, request: Request) -> Any:
-    body = await body_of(request)
+    body = await body_of(worqr, request)
     unknown = set(body) - _SUBMIT_FIELDS
     if unknown:
         raise Problem("bad_request", f"unknown field(s): {', '.join(sorted(unknown))}")
@@ -237,7 +237,7 @@ def _status(info: JobInfo | None) -> str:
 
 
 async def cancel_task(worqr: Worqr, request: Request) -> Any:
-    task = field(await body_of(request), "task", str)
+    task = field(await body_of(worqr, request), "task", str)
     return {"removed": await worqr.cancel_tasks(await known_queue(worqr, request), task)}
 
 
@@ -294,7 +294,7 @@ def http_workers(request: Request) -> HttpWorkers:
 
 
 async def register_worker(worqr: Worqr, request: Request) -> Any:
-    body = await body_of(request)
+    body = await body_of(worqr, request)
     queues = [check_queue(queue) for queue in dict.fromkeys(strings(body, "queues"))]
     timeout = field(body, "timeout", float, 10.0)
     if not 0.1 <= timeout <= 3600:
@@ -317,7 +317,7 @@ async def heartbeat(worqr: Worqr, request: Request) -> Any:
 
 async def lease(worqr: Worqr, request: Request) -> Any:
     """Up to ``count`` tasks of ``queue`` for the HTTP worker (a heartbeat too)."""
-    body = await body_of(request)
+    body = await body_of(worqr, request)
     queue = check_queue(field(body, "queue", str))
     count = field(body, "count", int, 1)
     if not 1 <= count <= MAX_LEASE:
@@ -334,7 +334,7 @@ async def leave(worqr: Worqr, request: Request) -> Any:
 async def finish(worqr: Worqr, request: Request) -> Any:
     """The attempt succeeded (a heartbeat too, at the app that holds the worker)."""
     ref = parse_process_id(request.path_params["process_id"])
-    result = field(await body_of(request), "result", str, None)
+    result = field(await body_of(worqr, request), "result", str, None)
     holder = http_workers(request).holder(ref.id) or worqr
     return {"finished": await holder.finish_process(ref.id, result)}
 
@@ -343,7 +343,7 @@ async def fail(worqr: Worqr, request: Request) -> Any:
     """The attempt failed: a job with attempts left goes back after its backoff, any
     other task to the failed list (a heartbeat too, at the app that holds the worker)."""
     ref = parse_process_id(request.path_params["process_id"])
-    error = field(await body_of(request), "error", str)
+    error = field(await body_of(worqr, request), "error", str)
     holder = http_workers(request).holder(ref.id) or worqr
     return {"failed": await holder._fail_process(ref, error)}
 

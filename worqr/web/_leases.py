@@ -75,6 +75,7 @@ class HttpWorkers:
             heartbeat_interval=base._heartbeat_interval,
             worker_timeout=base._worker_timeout,
             cleanup_interval=base._cleanup_interval,
+            max_payload_bytes=base.max_payload_bytes,
         )
         try:
             await twin.start_worker()
