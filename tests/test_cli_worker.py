@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from worqr import Worqr
 
-from .helpers import eventually
+from .helpers import FAST, eventually
 
 SCRIPT = Path(sys.executable).parent / "worqr"
 
@@ -57,6 +57,16 @@ HANDLERS = textwrap.dedent(
         import gc
 
         return str(gc.get_freeze_count() > 0)
+
+    stalls = []
+
+    async def stall(process):
+        if process.task == "stall" and not stalls:
+            stalls.append(process.id)
+            import time
+
+            time.sleep(2.0)  # blocks the event loop past --worker-timeout
+        return "ok"
     """
 )
 
@@ -324,3 +334,37 @@ async def test_a_queue_named_twice_is_worked_once(
         await anyio.sleep(0.5)  # a second consumer of q would take the other one now
         assert len(await peer.get_processes("q")) == 1
         await stop(process)
+
+
+async def test_a_blocked_loop_a_refused_end_and_a_reclaim_are_warnings_in_the_default_output(
+    app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
+) -> None:
+    """The handler that held the event loop is named once, with the worker_timeout it
+    exceeded; the run whose end was refused says so, never ``done``; the reclaim of a
+    dead worker's task shows without -v."""
+    dead = Worqr.from_url(redis_url, prefix=prefix, worker_id="w-gone", **FAST)
+    await dead.start_worker()
+    await dead.start_work("q")
+    await dead.enqueue("q", "orphan")
+    assert await dead.dequeue("q") is not None
+    await dead.close()  # as a crash: the task stays held by w-gone until a reclaim
+    await peer.enqueue("q", "stall")
+    log = tmp_path / "worker.log"
+    argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "myapp:stall", "q"]
+    argv += ["--worker-id", "w-stall", "--heartbeat-interval", "0.2", "--worker-timeout", "1"]
+    async with command([*argv, "--cleanup-interval", "0.3", "--grace", "0.2"], app, log) as process:
+
+        async def served() -> bool:
+            text = log.read_text()
+            return "'orphan': done" in text and "'stall': done" in text
+
+        await eventually(served, within=40)
+        await stop(process)
+    text = log.read_text()
+    stalls = [line for line in text.splitlines() if "the event loop was blocked" in line]
+    assert len(stalls) == 1, text
+    assert "past worker_timeout (1 s)" in stalls[0] and "handler myapp.stall ran" in stalls[0]
+    first = next(line for line in text.splitlines() if "'stall':" in line)
+    assert "WARNING" in first and "lease lost, end refused" in first, text
+    assert "done" not in first
+    assert "reclaimed 1 task(s) of dead worker w-gone on 'q', quarantined 0" in text

@@ -19,6 +19,7 @@ from ._handlers import BadResult, LargeResult, check_result
 from ._jobs import Retry
 from ._log import PeerLog, excerpt
 from ._models import Process, escaped
+from ._reach import Reach
 
 Handler = Callable[[Process], Awaitable[str | None]]
 
@@ -79,12 +80,14 @@ class Consumer:
         handler: Handler,
         concurrency: int,
         log: PeerLog,
+        reach: Reach,
         *,
         policy: str = "weighted",
     ) -> None:
         self.queue = queue
         self._policy = policy
         self._log = log
+        self._reach = reach
         self._host = host
         self._handler = handler
         self._concurrency = concurrency
@@ -108,6 +111,8 @@ class Consumer:
         self._block_waiting = False  # the take waits: it may be cancelled
         self._asked = 0  # tasks the dequeue in flight may return
         self._pretaken_until = 0.0
+        self._name = handler_name(handler)
+        self._last_return: tuple[Process, float] | None = None  # for `suspects`
         self.reason: str | None = None
 
     # -- signals (synchronous, called from event hooks and the facade) -----------------
@@ -195,6 +200,19 @@ class Consumer:
         self._ending.setdefault(pid, outcome)
         entry[1].cancel()
 
+    def suspects(self, since: float) -> list[str]:
+        """The handlers of this consumer that ran at some time after ``since``
+        (monotonic): those running now, and the last one that returned, if it did
+        after ``since``. One of them held the event loop if it was held then."""
+        found = {pid: process for pid, (process, _) in self._running.items()}
+        if self._last_return is not None and self._last_return[1] >= since:
+            found.setdefault(self._last_return[0].id, self._last_return[0])
+        return [
+            f"handler {self._name} ran process {process.id} of {process.queue!r}"
+            f" (task {excerpt(process.task)})"
+            for process in found.values()
+        ]
+
     async def wait_idle(self) -> None:
         """Wait until no handler runs and no handler's end is on its way (a shutdown
         that handed back a process whose end was still being written would have its
@@ -245,7 +263,7 @@ class Consumer:
                 await anyio.sleep(_MAX_BACKOFF)
                 continue
             except BackendError as exc:
-                self._log.warning("dequeue failed: %s", exc, extra={"queue": self.queue})
+                self._reach.failed("dequeue failed", exc, queue=self.queue)
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF)
                 continue
@@ -297,7 +315,7 @@ class Consumer:
         except asyncio.CancelledError:
             return  # `_unblock`: the take gave its id up
         except Exception as exc:  # its own failures are handled inside: not expected
-            self._log.warning("blocking take failed: %s", exc, extra={"queue": self.queue})
+            self._reach.failed("blocking take failed", exc, queue=self.queue)
             return
         finally:
             self._blocker, self._block_waiting = None, False
@@ -406,7 +424,10 @@ class Consumer:
         error: BaseException | None = None  # what the handler raised, for the log
         started = time.monotonic()
         try:
-            result = await self._handler(process)
+            try:
+                result = await self._handler(process)
+            finally:
+                self._last_return = (process, time.monotonic())
             detail = check_result(result, self._host.max_payload_bytes)
             if process.timeout is not None and time.monotonic() - started > process.timeout:
                 self._end_now(process.id, _TIMED_OUT)  # it ran over without yielding
@@ -493,6 +514,15 @@ _STRAY_CANCEL = (
     "CancelledError: the handler raised CancelledError that worqr did not send"
     " (from a task or future it awaited, cancelled elsewhere?)"
 )
+
+
+def handler_name(handler: Handler) -> str:
+    """The module and qualified name of ``handler`` (of its class, for a callable
+    instance), for log lines."""
+    named = handler if hasattr(handler, "__qualname__") else type(handler)
+    module = getattr(named, "__module__", None)
+    name = getattr(named, "__qualname__", repr(handler))
+    return f"{module}.{name}" if module else name
 
 
 def _stray() -> bool:

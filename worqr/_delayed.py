@@ -22,6 +22,7 @@ from ._errors import BackendError, CorruptDataError
 from ._keys import Keys
 from ._log import PeerLog
 from ._ops import Client
+from ._reach import Reach
 
 _RETRY_AFTER_MS = 1000  # a failed promotion is tried again this much later
 _MAX_DIGITS = 15  # of a due time in Unix ms (the year 5138 has 15)
@@ -32,11 +33,14 @@ _MAX_WAIT = 1.0  # seconds a timer sleeps before it looks at the clock estimate 
 class Promoter:
     """Timers of one worker for the delayed sets of the queues it works on."""
 
-    def __init__(self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog) -> None:
+    def __init__(
+        self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog, reach: Reach
+    ) -> None:
         self._client = client
         self._keys = keys
         self._clock = clock
         self._log = log
+        self._reach = reach
         self._queues: set[str] = set()  # the queues promoted for
         self._due: dict[str, int] = {}  # queue -> earliest known due time (server ms)
         self._wake = anyio.Event()
@@ -99,9 +103,10 @@ class Promoter:
             done = await _ops.promote(self._client, self._keys, queue)
         except BackendError as exc:
             if not isinstance(exc, CorruptDataError):
-                self._log.warning("promoting delayed jobs failed: %s", exc, extra={"queue": queue})
+                self._reach.failed("promoting delayed jobs failed", exc, queue=queue)
             self.note(queue, self._clock.estimate_ms() + _RETRY_AFTER_MS)
             return
+        self._reach.answered()
         if done.next_due_ms is not None:
             # The next due time as this peer's estimate will reach it: the server said
             # how far off it is, so an estimate ahead of the server's clock does not

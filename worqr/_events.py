@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterator
@@ -50,6 +51,7 @@ from ._keys import Keys
 from ._log import PeerLog
 from ._models import Listener
 from ._ops import text
+from ._reach import Reach
 
 CHANNEL_EVENTS = frozenset(
     {"work", "cancel", "delete", "done", "delayed", "schedule", "flow", "released"}
@@ -110,8 +112,10 @@ class Events:
         keys: Keys,
         on_reconnect: Callable[[], Awaitable[None]],
         log: PeerLog,
+        reach: Reach,
     ) -> None:
         self._log = log
+        self._reach = reach
         self._client = client
         self._spread = random.randrange(1 << 16)  # which Cluster node to start on
         self._pool: ConnectionPool | None = None  # the subscriber's own connections
@@ -317,8 +321,8 @@ class Events:
                     with _bounded(_CONNECT_LIMIT, "reaching a node"):
                         pubsub = await self._pubsub(attempt)
                 except (RedisError, RedisClusterException, OSError) as exc:  # no node answers
-                    self._log.warning(
-                        "event subscriber cannot reach Redis (%s); retrying", _reason(exc)
+                    self._reach.failed(
+                        "event subscriber cannot reach Redis", exc, level=logging.INFO
                     )
                 else:
                     await self._serve(pubsub, reconnecting)
@@ -331,9 +335,14 @@ class Events:
                         self._refused = failure  # waiters learn why, instead of waiting
                         for event in self._settled.values():
                             event.set()
-                self._log.warning(
-                    "event subscriber lost its connection (%s); reconnecting", _reason(exc)
-                )
+                if isinstance(exc, RedisError | OSError):
+                    self._reach.failed(
+                        "event subscriber lost its connection", exc, level=logging.INFO
+                    )
+                else:
+                    self._log.warning(
+                        "event subscriber lost its connection (%s); reconnecting", _reason(exc)
+                    )
                 self._confirmed.clear()
                 reconnecting = True
             finally:
@@ -386,6 +395,7 @@ class Events:
             if reconnecting and requested and wanted <= self._confirmed:
                 reconnecting = False
                 self._log.info("event subscriber reconnected")
+                self._reach.answered()
                 self._recovery.set()
             if not requested and not self._confirmed:  # nothing to hear
                 if reconnecting:

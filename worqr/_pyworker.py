@@ -93,7 +93,11 @@ async def serve(
     """Consume every queue of ``queues`` with ``handler`` until each is deleted or a
     stop signal; returns the exit code, 0."""
     stop = SignalStop(worqr, grace)
-    work = handler if quiet else talk(handler, lambda: stop.signalled, worqr.max_payload_bytes)
+    work = (
+        handler
+        if quiet
+        else talk(handler, lambda: stop.signalled, worqr.max_payload_bytes, worqr._lease_lapsed)
+    )
 
     async def consume(queue: str) -> None:
         try:

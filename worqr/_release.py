@@ -17,15 +17,17 @@ from ._errors import BackendError
 from ._keys import Keys
 from ._log import PeerLog
 from ._ops import Client
+from ._reach import Reach
 
 
 class Releaser:
     """The releases of one worker, for the queues it works on."""
 
-    def __init__(self, client: Client, keys: Keys, log: PeerLog) -> None:
+    def __init__(self, client: Client, keys: Keys, log: PeerLog, reach: Reach) -> None:
         self._client = client
         self._keys = keys
         self._log = log
+        self._reach = reach
         self._queues: set[str] = set()
         self._pending: set[str] = set()  # queues whose released set may hold jobs
         self._wake = anyio.Event()
@@ -63,8 +65,8 @@ class Releaser:
                 try:
                     await _ops_deps.release(self._client, self._keys, queue)
                 except BackendError as exc:
-                    self._log.warning(
-                        "releasing waiting jobs failed: %s", exc, extra={"queue": queue}
-                    )
+                    self._reach.failed("releasing waiting jobs failed", exc, queue=queue)
                 except Exception:
                     self._log.exception("releasing waiting jobs failed", extra={"queue": queue})
+                else:
+                    self._reach.answered()

@@ -182,7 +182,12 @@ async def serve(
                 handler = (
                     worker.run_task
                     if quiet
-                    else talk(worker.run_task, lambda: stop.signalled, worqr.max_payload_bytes)
+                    else talk(
+                        worker.run_task,
+                        lambda: stop.signalled,
+                        worqr.max_payload_bytes,
+                        worqr._lease_lapsed,
+                    )
                 )
                 await worqr.consume(queue, handler, concurrency=concurrency)
             except ClosedError:

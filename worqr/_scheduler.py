@@ -20,6 +20,7 @@ from ._errors import BackendError, CorruptDataError
 from ._keys import Keys
 from ._log import PeerLog
 from ._ops import Client
+from ._reach import Reach
 from ._schedules import counted_from
 
 _RELOAD = 10.0  # seconds between reads of a queue's schedules (missed events)
@@ -31,11 +32,14 @@ _MAX_WAIT = 1.0  # seconds a timer sleeps before it looks at the clock estimate 
 class Scheduler:
     """Timers of one worker for the schedules of the queues it works on."""
 
-    def __init__(self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog) -> None:
+    def __init__(
+        self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog, reach: Reach
+    ) -> None:
         self._client = client
         self._keys = keys
         self._clock = clock
         self._log = log
+        self._reach = reach
         self._queues: set[str] = set()
         self._stale: set[str] = set()  # queues whose schedules are to be read again
         self._due: dict[tuple[str, str], int] = {}  # (queue, name) -> next tick (server ms)
@@ -102,9 +106,10 @@ class Scheduler:
         try:
             found = await _ops_schedules.of_queue(self._client, self._keys, queue)
         except BackendError as exc:
-            self._log.warning("reading schedules failed: %s", exc, extra={"queue": queue})
+            self._reach.failed("reading schedules failed", exc, queue=queue)
             self._stale.add(queue)
             return
+        self._reach.answered()
         if queue not in self._queues:
             return
         self._loaded[queue] = anyio.current_time()
@@ -121,11 +126,10 @@ class Scheduler:
             done = await _ops_schedules.fire(self._client, self._keys, queue, name)
         except Exception as exc:  # one schedule's trouble must not stop the others
             if not isinstance(exc, CorruptDataError):
-                self._log.warning(
-                    "firing schedule %r failed: %s", name, exc, extra={"queue": queue}
-                )
+                self._reach.failed(f"firing schedule {name!r} failed", exc, queue=queue)
             self._due[(queue, name)] = self._clock.estimate_ms() + _RETRY_AFTER_MS
             return
+        self._reach.answered()
         if done.skipped:
             self._log.info(
                 "schedule %r skipped a tick: its previous run is still live",

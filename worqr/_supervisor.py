@@ -1,4 +1,4 @@
-"""Heartbeat and peer supervision: the two loops every started worker runs.
+"""Heartbeat, peer supervision and the lag monitor: the loops every started worker runs.
 
 The heartbeat key lives on the server with a TTL, so liveness needs no clock
 agreement between hosts. A worker that finds its heartbeat gone, or could not
@@ -21,6 +21,7 @@ from ._errors import BackendError
 from ._keys import Keys
 from ._log import PeerLog
 from ._ops import Client
+from ._reach import Reach
 
 
 class Host(Protocol):
@@ -50,14 +51,17 @@ class Host(Protocol):
 
     def _leases_lost(self) -> bool: ...
 
+    def _stall_suspects(self, since: float) -> list[str]: ...
+
 
 class Supervisor:
-    """Runs the heartbeat and cleanup loops of one started worker."""
+    """Runs the heartbeat, cleanup and lag-monitor loops of one started worker."""
 
     def __init__(
         self,
         host: Host,
         log: PeerLog,
+        reach: Reach,
         client: Client,
         keys: Keys,
         *,
@@ -67,6 +71,7 @@ class Supervisor:
     ) -> None:
         self._host = host
         self._log = log
+        self._reach = reach
         self._client = client
         self._keys = keys
         self._heartbeat_interval = heartbeat_interval
@@ -89,15 +94,16 @@ class Supervisor:
         return max(1, round(self._worker_timeout * 1000))
 
     async def run(self) -> None:
-        """Both loops, until `stop` (or the caller) cancels them."""
+        """The loops, until `stop` (or the caller) cancels them."""
         self.refreshed()
         with self._scope:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep, self._heartbeat_loop, "heartbeat")
                 tg.start_soon(self._keep, self._cleanup_loop, "cleanup")
+                tg.start_soon(self._keep, self._lag_loop, "lag monitor")
 
     def stop(self) -> None:
-        """End both loops."""
+        """End the loops."""
         self._scope.cancel()
 
     async def _keep(self, loop: Callable[[], Awaitable[None]], name: str) -> None:
@@ -122,16 +128,49 @@ class Supervisor:
                     continue
                 alive = await _ops.heartbeat(self._client, keys, host.worker_id, self.timeout_ms)
             except BackendError as exc:
-                self._log.warning("heartbeat failed: %s", exc)
+                self._reach.failed("heartbeat failed", exc)
                 if stalled and not host._leases_lost():
                     await host._lose_leases("heartbeat not refreshed within worker_timeout")
                 continue
+            self._reach.answered()
             if not alive:
                 await host._lose_leases("heartbeat expired")
             elif stalled:
                 await host._lose_leases("heartbeat not refreshed within worker_timeout")
             else:
                 self.refreshed(sent_at)
+
+    async def _lag_loop(self) -> None:
+        """Watch for a blocked event loop: a timer every quarter of ``worker_timeout``
+        that fires over half of it late means something held the loop that long (a
+        handler calling blocking code), which starves the heartbeat. One warning per
+        stall, however many late ticks it spans, naming the handlers that ran then."""
+        period, limit = self._worker_timeout / 4, self._worker_timeout / 2
+        stalled = False
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(period)
+            now = time.monotonic()
+            lag = now - before - period
+            if lag <= limit:
+                stalled = False
+            elif not stalled:
+                stalled = True
+                self._stalled(lag, self._host._stall_suspects(now - lag))
+
+    def _stalled(self, lag: float, suspects: list[str]) -> None:
+        """Log a stall of ``lag`` seconds, during which ``suspects`` ran."""
+        how = "past" if lag > self._worker_timeout else "over half of"
+        self._log.warning(
+            "the event loop was blocked for %.1f s, %s worker_timeout (%g s), while %s:"
+            " a handler must not block (run blocking code in a thread, e.g."
+            " anyio.to_thread.run_sync); past worker_timeout the worker loses its leases"
+            " and its tasks run again",
+            lag,
+            how,
+            self._worker_timeout,
+            "; ".join(suspects) if suspects else "no handler ran",
+        )
 
     async def _cleanup_loop(self) -> None:
         host, keys = self._host, self._keys
@@ -153,4 +192,6 @@ class Supervisor:
                 await host._audit_processes(recorded, snapshot, unknown)
                 await host._recheck_queues(dict(zip(queues, found, strict=True)))
             except BackendError as exc:
-                self._log.warning("cleanup failed: %s", exc)
+                self._reach.failed("cleanup failed", exc)
+            else:
+                self._reach.answered()

@@ -6,6 +6,7 @@ that embeds `Worqr` can wrap its handler the same way or leave the logger quiet.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,12 +30,18 @@ def announce(worker_id: str, queues: Sequence[str], concurrency: int) -> None:
     )
 
 
-def talk(handler: Handler, stopping: Callable[[], bool], limit: int) -> Handler:
+def talk(
+    handler: Handler, stopping: Callable[[], bool], limit: int, lapsed: Callable[[], bool]
+) -> Handler:
     """``handler``, logging one line when each call ends (returned, raised, stopped).
     ``stopping()`` says whether the worker is shutting down: a handler cancelled then
     has its task handed back to the front of its queue. ``limit`` is the worker's
-    ``max_payload_bytes``: a result over it is logged as the failure it is."""
+    ``max_payload_bytes``: a result over it is logged as the failure it is.
+    ``lapsed()`` says whether the worker's lease may have run out
+    (`Worqr._lease_lapsed`): then the end is refused, the task runs again, and the
+    line is a warning that says so."""
 
+    @functools.wraps(handler)
     async def talking(process: Process) -> str | None:
         started = time.monotonic()
         outcome = "stopped"  # cancelled: a cancel event, a timeout, a shutdown
@@ -52,10 +59,16 @@ def talk(handler: Handler, stopping: Callable[[], bool], limit: int) -> Handler:
             outcome = f"failed: {type(exc).__name__}: {exc}".split("\n")[0]
             raise
         finally:
+            level = logging.INFO
             if outcome == "stopped" and stopping():
                 outcome = "stopped by the shutdown, handed back to its queue"
+            elif lapsed():  # the worker's end of it is refused: peers hand it back
+                level = logging.WARNING
+                ran = "returned" if outcome == "done" else outcome
+                outcome = f"lease lost, end refused; its task runs again (the handler {ran})"
             job = "" if process.job_id is None else f" job {process.job_id}"
-            logger.info(
+            logger.log(
+                level,
                 "%s %s%s %s: %s (%.3f s)",
                 process.queue,
                 process.id,

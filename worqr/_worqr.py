@@ -87,6 +87,7 @@ from ._names import (
     split_process_id,
 )
 from ._ops import members, read, text
+from ._reach import Reach
 from ._release import Releaser
 from ._results import Results, job_info
 from ._scheduler import Scheduler
@@ -197,6 +198,7 @@ class Worqr:
         self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._log = PeerLog(self._worker_id)
+        self._reach = Reach(self._log)  # one warning per outage, not one per failed call
         self._given = redis
         self._redis = decoding_client(redis)  # reads tasks that are not UTF-8 too
         self._once = client_without_retries(redis)  # dequeue's transactions: never resent
@@ -212,7 +214,9 @@ class Worqr:
             )
         self._keys = Keys(check_prefix(prefix))
         self._owned: list[Closable] = []
-        self._events = Events(subscriber or redis, self._keys, self._after_reconnect, self._log)
+        self._events = Events(
+            subscriber or redis, self._keys, self._after_reconnect, self._log, self._reach
+        )
         self._runner: asyncio.Task[None] | None = None
         self._runner_scope: anyio.CancelScope | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -238,9 +242,9 @@ class Worqr:
         self._workers_reclaimed = 0  # dead workers this peer reclaimed, for the metrics
         self._reported: dict[str, float] = {}  # corrupt key -> when it was last logged
         self._clock = ServerClock()
-        self._promoter = Promoter(self._redis, self._keys, self._clock, self._log)
-        self._scheduler = Scheduler(self._redis, self._keys, self._clock, self._log)
-        self._releaser = Releaser(self._redis, self._keys, self._log)
+        self._promoter = Promoter(self._redis, self._keys, self._clock, self._log, self._reach)
+        self._scheduler = Scheduler(self._redis, self._keys, self._clock, self._log, self._reach)
+        self._releaser = Releaser(self._redis, self._keys, self._log, self._reach)
         self._results = Results(self._events)
         self._jobs_on = False  # the prefix is known to be at protocol 3
         self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its timers' hook
@@ -954,9 +958,9 @@ class Worqr:
             return []
         epoch = self._epoch
         pid = new_process_id(self._worker_id, queue, "normal").id
-        self._taking.add(pid)
         pool = blocking.connection_pool
-        connection = await pool.get_connection()
+        connection = await pool.get_connection()  # raising, it leaves nothing in flight
+        self._taking.add(pid)
         armed: _ops_block.Armed | None = None
         over = False  # the block's reply was read: it cannot move anything any more
         try:
@@ -998,7 +1002,7 @@ class Worqr:
                     self._report_corrupt([exc.key or self._keys.tasks(queue)])
                     return []
                 if isinstance(exc, RedisError | BackendError):
-                    self._log.warning("blocking take failed: %s", exc, extra={"queue": queue})
+                    self._reach.failed("blocking take failed", exc, queue=queue)
                     return []
             raise
         finally:
@@ -1036,10 +1040,9 @@ class Worqr:
             try:
                 await anyio.sleep(wait)
                 await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
-            except BackendError as exc:  # it stays recorded: a reclaim or
-                self._log.warning(  # the recovery of this worker returns it later
-                    "could not give up a blocking take: %s", exc, extra={"queue": queue}
-                )
+            except BackendError as exc:  # it stays recorded: a reclaim or the
+                # recovery of this worker returns it later
+                self._reach.failed("could not give up a blocking take", exc, queue=queue)
             finally:
                 self._taking.discard(pid)
 
@@ -1249,6 +1252,7 @@ class Worqr:
         supervisor = Supervisor(
             self,
             self._log,
+            self._reach,
             self._redis,
             self._keys,
             heartbeat_interval=self._heartbeat_interval,
@@ -1432,10 +1436,13 @@ class Worqr:
                 self._stats.note_reclaim(
                     queue, returned=len(reclaimed.returned), quarantined=len(reclaimed.quarantined)
                 )
-                self._log.info(
-                    "reclaimed %d task(s) of dead worker %s, quarantined %d",
+                self._log.warning(
+                    "reclaimed %d task(s) of %s on %r, quarantined %d",
                     len(reclaimed.returned),
-                    worker_id,
+                    "this worker, whose leases were lost,"
+                    if worker_id == self._worker_id
+                    else f"dead worker {worker_id}",
+                    queue,
                     len(reclaimed.quarantined),
                     extra={"queue": queue},
                 )
@@ -1532,6 +1539,11 @@ class Worqr:
     def _leases_lost(self) -> bool:
         return self._lost
 
+    def _stall_suspects(self, since: float) -> list[str]:
+        """The handlers that ran at some time after ``since`` (monotonic), for the
+        warning about a blocked event loop."""
+        return [suspect for consumer in self._consumers for suspect in consumer.suspects(since)]
+
     def _lease_lapsed(self) -> bool:
         """Whether this worker's lease may have run out: lost, or its heartbeat not
         refreshed within ``worker_timeout`` (peers may be failing it now). A consumer
@@ -1554,7 +1566,7 @@ class Worqr:
         try:
             await self._recover_leases()
         except BackendError as exc:
-            self._log.warning("re-registration deferred: %s", exc)
+            self._reach.failed("re-registration deferred", exc)
 
     async def _recover_leases(self) -> None:
         """Hand back whatever is still recorded under this worker and register anew.
@@ -1674,7 +1686,7 @@ class Worqr:
                 self._releaser.note(queue)
             tokens = await _ops.deletions(self._redis, self._keys, queues)
         except BackendError as exc:
-            self._log.warning("re-check after reconnect failed: %s", exc)
+            self._reach.failed("re-check after reconnect failed", exc)
             return
         for queue, token in zip(queues, tokens, strict=True):
             # A token that expired since start_work reads None: that is no deletion.
@@ -1752,7 +1764,9 @@ class Worqr:
             raise ClosedError("this Worqr was closed while consume started")
         if self._supervisor is not supervisor or queue not in self._working:
             return
-        consumer = Consumer(self, queue, handler, concurrency, self._log, policy=priority)
+        consumer = Consumer(
+            self, queue, handler, concurrency, self._log, self._reach, policy=priority
+        )
         self._consumers.add(consumer)
         self._events.add_hook(queue, consumer.hook)
         try:
@@ -1878,12 +1892,7 @@ class Worqr:
         return False
 
     def _settle_failed(self, process: Process, outcome: str, exc: BackendError) -> None:
-        self._log.warning(
-            "could not %s process: %s",
-            outcome,
-            exc,
-            extra={"queue": process.queue, "process_id": process.id},
-        )
+        self._reach.failed(f"could not {outcome} process {process.id}", exc, queue=process.queue)
 
     async def _finish_batched(self, process: Process, ref: ProcessRef, result: str | None) -> bool:
         """Finish a process this peer dequeued, together with the other processes of
