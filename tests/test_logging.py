@@ -84,10 +84,10 @@ async def test_a_handler_that_blocks_the_loop_is_named_once_and_its_refused_end_
                 await eventually(rerun_done, within=30)
     if route == "proxy":
         await client.aclose()
-    stalls = [r.getMessage() for r in caplog.records if STALLED in r.getMessage()]
-    assert len(stalls) == 1, stalls
-    assert f"{__name__}.{blocker.__qualname__} ran process {runs[0]}" in stalls[0]
-    assert "past worker_timeout (1 s)" in stalls[0]
+    named = f"{__name__}.{blocker.__qualname__} ran process {runs[0]}"
+    stalls = [r.getMessage() for r in caplog.records if named in r.getMessage()]
+    assert len(stalls) == 1, stalls  # one per stall (a busy machine may add unnamed ones)
+    assert STALLED in stalls[0] and "past worker_timeout (1 s)" in stalls[0]
     lines = [r for r in caplog.records if r.name == "worqr.tasks"]
     first = next(r for r in lines if runs[0] in r.getMessage())
     assert first.levelno == logging.WARNING and REFUSED in first.getMessage()
