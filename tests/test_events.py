@@ -160,7 +160,9 @@ async def test_a_done_event_of_a_task_over_32_mb_disconnects_no_listener(
     heard: list[tuple[str, str]] = []
     async with (
         Worqr.from_url(server.url, prefix=prefix, **RELAXED) as watcher,
-        Worqr.from_url(server.url, prefix=prefix, **RELAXED) as worker,  # 33 MB take a while
+        Worqr.from_url(  # 33 MB take a while, and are over the default payload limit
+            server.url, prefix=prefix, max_payload_bytes=64 << 20, **RELAXED
+        ) as worker,
     ):
         await watcher.on("jobs", lambda kind, message: heard.append((kind, message)))
         await worker.start_worker()
