@@ -2,8 +2,9 @@
 reaches its handler through the block, without a dequeue; the take's id is recorded
 before the block can move anything, so a reclaim returns what it moved; a peer
 failing a worker as dead stands back while that worker's take refreshes its
-heartbeat; a paused queue, a push at another level and a stop end the take without
-losing or doubling a task; through a slow link every task runs once."""
+heartbeat; a paused queue and a stop end the take, and a push at another level runs
+beside it, without losing or doubling a task; strict priority and FIFO hold whatever
+the block moves; through a slow link every task runs once."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ async def test_a_paused_queue_hands_out_nothing_through_an_armed_take(
         tg.cancel_scope.cancel()
 
 
-async def test_a_push_at_another_level_ends_the_take(
+async def test_a_push_at_another_level_runs_beside_the_take(
     real_make: Factory, real_client: Redis, prefix: str
 ) -> None:
     ran: list[str] = []

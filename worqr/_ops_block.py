@@ -22,6 +22,9 @@ blocking-take.md draws it with its failure analysis; in short:
   drops the connection (Redis then unblocks it) and gives the id up (`withdraw`: what
   reached its list goes back to the front) only once the block is over for certain:
   after its reply, or ``seconds`` after the reply to the transaction that began it.
+- The block waits on the normal list only: as it returns, the same write reads the
+  other levels, and a task it moved while one held tasks goes back to the front
+  (the consumer then looks at every level), so strict priority and FIFO hold.
 """
 
 from __future__ import annotations

@@ -935,8 +935,10 @@ class Worqr:
         """Wait up to `_BLOCK_SECONDS` for the queue's next normal task, moved by Redis
         into a process of this worker the moment it is pushed (`_ops_block`): the idle
         path without a round trip after the wake-up. [] when none came, the queue
-        turned out paused or limited (the task went back to the front), or the take
-        could not be armed (then blocking takes of the queue rest a while).
+        turned out paused or limited, or with tasks at another level (the task went
+        back to the front; at another level before this returns, so that the look
+        that follows finds it in place), or the take could not be armed (then
+        blocking takes of the queue rest a while).
 
         ``received()`` is called as a task arrives, before anything else: from then on
         the caller must not cancel the call (the task is held, and must reach a
