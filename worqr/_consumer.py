@@ -313,7 +313,7 @@ class Consumer:
                 self._wake.set()
         if not taken:
             return
-        if lent and len(self._running) >= self._concurrency:  # its slot went meanwhile
+        if lent and len(self._running) + self._asked >= self._concurrency:  # slot lent out
             self._returning += 1
             try:
                 for process in reversed(taken):
