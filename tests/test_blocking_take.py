@@ -2,8 +2,9 @@
 reaches its handler through the block, without a dequeue; the take's id is recorded
 before the block can move anything, so a reclaim returns what it moved; a peer
 failing a worker as dead stands back while that worker's take refreshes its
-heartbeat; a paused queue, a push at another level and a stop end the take without
-losing or doubling a task; through a slow link every task runs once."""
+heartbeat; a paused queue and a stop end the take, and a push at another level runs
+beside it, without losing or doubling a task; strict priority and FIFO hold whatever
+the block moves; through a slow link every task runs once."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ async def test_a_paused_queue_hands_out_nothing_through_an_armed_take(
         tg.cancel_scope.cancel()
 
 
-async def test_a_push_at_another_level_ends_the_take(
+async def test_a_push_at_another_level_runs_beside_the_take(
     real_make: Factory, real_client: Redis, prefix: str
 ) -> None:
     ran: list[str] = []
@@ -177,8 +178,8 @@ async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
         assert await _ops.fail_worker(real_client, keys, "w9", only_if_dead=True) is None
         assert await real_client.sismember(keys.blocking("q", "w9"), pid)
         await real_client.rpush(keys.tasks("q"), "T1")  # the block moves it
-        task, _ = await _ops_block.outcome(connection, keys, "w9", "q", 0.2)
-        assert task == "T1"
+        done = await _ops_block.outcome(connection, keys, "w9", "q", 0.2)
+        assert done.task == "T1" and not done.leveled
         await eventually(lambda: _expired(real_client, keys.heartbeat("w9")))
         failed = await _ops.fail_worker(real_client, keys, "w9", only_if_dead=True)
         assert failed is not None and failed.reclaimed["q"].returned == ["T1"]
@@ -406,3 +407,37 @@ async def test_a_frozen_workers_moved_task_is_reclaimed_and_runs_once(
         reap(child)
     assert f"started {task}" not in lines
     assert ran == [task]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["loopback", "slow-link"])
+async def test_strict_order_holds_whatever_the_take_moves(
+    slow: bool, proxy: LatencyProxy, redis_url: str, prefix: str, real_client: Redis
+) -> None:
+    """An idle strict consumer waits in a blocking take on the normal level; a high
+    task is pushed, then normal ones. The high one runs first, the normal ones in
+    their order, and none is left behind while later ones run (a task the block moved
+    as the take was ending would otherwise wait for the take's withdrawal)."""
+    if slow:
+        proxy.delay, proxy.jitter = 0.002, 0.001
+    url = proxy.url if slow else redis_url
+    ran: list[str] = []
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    async with (
+        Worqr.from_url(url, prefix=prefix) as consumer,
+        Worqr.from_url(url, prefix=prefix) as producer,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(lambda: consumer.consume("q", handler, concurrency=1, priority="strict"))
+        for round_ in range(40):
+            await eventually(lambda: _armed(real_client, prefix))
+            expected = [f"h{round_}", *(f"n{round_}-{i}" for i in range(3))]
+            await producer.enqueue("q", expected[0], priority="high")
+            for task in expected[1:]:
+                await producer.enqueue("q", task)
+            await eventually(lambda: len(ran) >= 4 * (round_ + 1), within=20)  # noqa: B023
+            assert ran[-4:] == expected, f"round {round_}"
+        tg.cancel_scope.cancel()
+    await eventually(lambda: _no_process_left(real_client, prefix))

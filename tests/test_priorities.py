@@ -198,3 +198,29 @@ async def test_levels_under_a_rate_limit(make: Factory) -> None:
     async with consuming(worker, handler, queue="q", priority="strict"):
         await eventually(lambda: len(ran) == 3)
     assert ran == ["h1", "n1", "n2"]
+
+
+async def test_a_busy_strict_consumer_looks_before_taking_announced_work(make: Factory) -> None:
+    """A push at another level announces a look (a bare ``work:``), normal ones their
+    count: a consumer that got both while its slot was busy reads the levels first,
+    rather than take the announced normal tasks ahead of a waiting high one."""
+    producer, worker = make(), make()
+    ran: list[str] = []
+    release = anyio.Event()
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+        if process.task.startswith("busy"):
+            await release.wait()
+
+    async with consuming(worker, handler, queue="q", priority="strict"):
+        for round_ in range(3):
+            release = anyio.Event()
+            await producer.enqueue("q", f"busy{round_}")
+            await eventually(lambda: len(ran) == 3 * round_ + 1)  # noqa: B023
+            await producer.enqueue("q", f"h{round_}", priority="high")
+            await producer.enqueue("q", f"n{round_}")
+            await anyio.sleep(0.2)  # both events reach the busy consumer
+            release.set()
+            await eventually(lambda: len(ran) == 3 * round_ + 3)  # noqa: B023
+            assert ran[-2:] == [f"h{round_}", f"n{round_}"]

@@ -37,7 +37,7 @@ class Host(Protocol):
     """What a consumer needs from the `Worqr` that runs it."""
 
     async def _take(
-        self, queue: str, count: int, *, announced: bool, policy: str
+        self, queue: str, count: int, *, announced: bool, policy: str, normal: bool = True
     ) -> list[Process]: ...
 
     async def _settle(
@@ -104,6 +104,9 @@ class Consumer:
         self._cancelled_meanwhile: set[str] = set()
         self._announced = 0  # tasks announced by ``work`` events since the last take
         self._backlog = False  # tasks may wait that the free slots could not take
+        self._look_first = False  # a bare ``work:`` came: the next take reads the levels
+        self._lent = False  # the waiting take's slot serves the other levels meanwhile
+        self._returning = 0  # tasks of the take on their way back to the front
         self._blocker: asyncio.Task[None] | None = None  # the blocking take, while idle
         self._blocked_cancels: set[str] = set()  # cancelled as its task came in
         self._pretaken = 0  # tasks it took whose ``work`` event may still come
@@ -133,7 +136,8 @@ class Consumer:
                 if not count:
                     return
             if not message:  # another level may hold them: a blocking take cannot see
-                self._unblock()
+                self._look_first = True  # them, nor may a take of announced normal ones
+                self._lent = self._blocker is not None and self._block_waiting
             self._announced += count
             self._backlog = True
             self._wake.set()
@@ -300,8 +304,14 @@ class Consumer:
         take overlaps that end's transaction), but no more than `concurrency` ends may
         be on their way: a slow end holds the takes back instead of letting processes
         pile up."""
-        held = len(self._running) + (self._blocker is not None)
+        held = len(self._running) + (self._blocker is not None and not self._lent)
         return min(self._concurrency - held, 2 * self._concurrency - held - self._settling)
+
+    def _normal_free(self) -> bool:
+        """Whether a take may serve the normal level: not while the waiting take's
+        slot is lent (the task it may bring goes back to the front) nor while such a
+        task is on its way back (a task taken behind it would run first)."""
+        return not (self._lent and self._blocker is not None) and not self._returning
 
     def _received(self) -> None:
         """The blocking take received its task: no cancelling it from now on."""
@@ -318,10 +328,21 @@ class Consumer:
             self._reach.failed("blocking take failed", exc, queue=self.queue)
             return
         finally:
+            lent, self._lent = self._lent, False
             self._blocker, self._block_waiting = None, False
             if not taken:  # none came, or the queue changed: the loop looks and re-arms
                 self._wake.set()
         if not taken:
+            return
+        if lent and len(self._running) + self._asked >= self._concurrency:  # slot lent out
+            self._returning += 1
+            try:
+                for process in reversed(taken):
+                    await self._host._settle(process, "requeue", None)
+            finally:
+                self._returning -= 1
+                self._backlog = True
+                self._wake.set()
             return
         # Its push's ``work`` event counted it already, or may still come.
         if self._claimed:
@@ -365,6 +386,8 @@ class Consumer:
         if self._host._lease_lapsed():  # back from a stall: nothing until re-registered
             return False  # (the recovery announces a look at every queue)
         announced, self._announced = min(self._announced, free), 0
+        if self._look_first:  # tasks of a higher level may come before the announced
+            announced, self._look_first = 0, False
         count = announced or free
         self._dequeuing, self._cancelled_meanwhile = True, set()
         self._asked = count
@@ -374,7 +397,11 @@ class Consumer:
             # cleanup tick.
             with anyio.move_on_after(_TAKE_LIMIT):
                 taken = await self._host._take(
-                    self.queue, count, announced=bool(announced), policy=self._policy
+                    self.queue,
+                    count,
+                    announced=bool(announced),
+                    policy=self._policy,
+                    normal=self._normal_free(),
                 )
                 await self._start_taken(taken, self._cancelled_meanwhile)
                 self._backlog = len(taken) == free

@@ -1447,6 +1447,7 @@ async def dequeue(
     seen: Callable[[Look], None] | None = None,
     picker: Picker | None = None,
     policy: str = "weighted",
+    normal: bool = True,
 ) -> list[Process]:
     """Move up to ``count`` tasks from the heads of the queue's level lists into new
     processes of this worker, the levels chosen by ``picker`` under ``policy`` (see
@@ -1457,7 +1458,9 @@ async def dequeue(
     ``new_ids(levels)`` makes fresh process ids (a worker keeps them known as in
     flight; by default they are made here); ``seen(look)`` is told the queue's flow
     control and levels as read (a worker skips the announced path of a queue that is
-    rate-limited or has tasks of other levels than normal).
+    rate-limited or has tasks of other levels than normal). Without ``normal`` the
+    normal level is left alone (a blocking take's task may be on its way back to its
+    front: a task taken behind it would run first).
     ``once`` is a client whose transactions are never resent (see `_connections`):
     the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each
     id tells whether it took effect: then its processes are adopted. Otherwise it is
@@ -1506,6 +1509,8 @@ async def dequeue(
             return await _dequeue_limited(
                 r, once, keys, worker_id, queue, count, new_ids, picker or Picker(), policy
             )
+        if not normal:
+            lengths["normal"] = 0
         levels = (picker or Picker()).plan(lengths, count, policy)
     if not levels:
         return []

@@ -22,6 +22,9 @@ blocking-take.md draws it with its failure analysis; in short:
   drops the connection (Redis then unblocks it) and gives the id up (`withdraw`: what
   reached its list goes back to the front) only once the block is over for certain:
   after its reply, or ``seconds`` after the reply to the transaction that began it.
+- The block waits on the normal list only: as it returns, the same write reads the
+  other levels, and a task it moved while one held tasks goes back to the front
+  (the consumer then looks at every level), so strict priority and FIFO hold.
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ from ._flow import read_flow
 from ._keys import Keys
 from ._ops import Client, _atomic, _corrupt, announce, text
 from ._wire import Wire, replies, send
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a block's reply and the reads right after it said."""
+
+    task: str | None
+    """The task moved, or None when the block timed out."""
+    flow: Any
+    """The flow control's raw fields (`Flow.parse`)."""
+    leveled: bool
+    """Another level than normal held tasks as the block returned: whatever it moved
+    must not run before the queue's levels were looked at."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +95,8 @@ async def arm(
                                                     blocking:<w> meanwhile; after a
                                                     timeout, `forget` withdraws it)
       9. HMGET flow paused limit per
+     10. LLEN high;  LLEN low                   -> not both 0: the queue has other levels
+                                                    now, the task goes back (see `outcome`)
     """
     blocking, held = keys.blocking(queue, worker_id), keys.held(queue, worker_id)
     writes: list[Wire] = [
@@ -91,6 +109,8 @@ async def arm(
         ("SADD", held, process_id),
         ("SREM", blocking, process_id),
         read_flow(keys, queue),
+        ("LLEN", keys.level(queue, "high")),
+        ("LLEN", keys.level(queue, "low")),
     ]
     await send(connection, writes)
     *queued, done = await replies(connection, 5, limit)
@@ -108,11 +128,12 @@ async def arm(
 
 async def outcome(
     connection: AbstractConnection, keys: Keys, worker_id: str, queue: str, seconds: float
-) -> tuple[str | None, Any]:
-    """The block's reply (the task moved, or None when it timed out) and the flow
-    control as read right after it. Raises `CorruptDataError` naming ``tasks``
-    (nothing was moved), ``held:<w>`` or ``blocking:<w>`` when of the wrong type."""
-    moved, *recorded, flow = await replies(connection, 4, seconds + _REPLY_MARGIN)
+) -> Outcome:
+    """The block's reply, and the flow control and the other levels as read right
+    after it (a level that cannot be read counts as holding tasks: the look that
+    follows reports it). Raises `CorruptDataError` naming ``tasks`` (nothing was
+    moved), ``held:<w>`` or ``blocking:<w>`` when of the wrong type."""
+    moved, *recorded, flow, high, low = await replies(connection, 6, seconds + _REPLY_MARGIN)
     if is_wrong_type(moved):
         raise _corrupt(keys.tasks(queue))
     keyed = (keys.held(queue, worker_id), keys.blocking(queue, worker_id))
@@ -121,7 +142,8 @@ async def outcome(
             raise _corrupt(key)
     if isinstance(moved, ResponseError):
         raise moved
-    return (None if moved is None else text(moved)), flow
+    leveled = not (isinstance(high, int) and isinstance(low, int) and high == low == 0)
+    return Outcome(None if moved is None else text(moved), flow, leveled)
 
 
 async def forget(

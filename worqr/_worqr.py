@@ -10,6 +10,7 @@ import datetime
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -206,6 +207,8 @@ class Worqr:
         self._blocking = blocking_client(redis)
         self._block_seconds = min(_BLOCK_SECONDS, self._worker_timeout / 2)
         self._block_rest: dict[str, float] = {}  # queue -> no blocking take before then
+        # queue -> blocking takes given up whose task may still go back to the front
+        self._withdrawing: Counter[str] = Counter()
         if strict(self._redis):
             self._log.warning(
                 "this RedisCluster client decodes strictly: make it with"
@@ -859,7 +862,13 @@ class Worqr:
         return taken[0] if taken else None
 
     async def _take(
-        self, queue: str, count: int = 1, *, announced: bool = False, policy: str = "weighted"
+        self,
+        queue: str,
+        count: int = 1,
+        *,
+        announced: bool = False,
+        policy: str = "weighted",
+        normal: bool = True,
     ) -> list[Process]:
         """Dequeue up to ``count`` tasks (see `_ops.dequeue`), the levels served by
         ``policy``, fenced against a lease loss that happens while the command runs.
@@ -886,6 +895,7 @@ class Worqr:
             else:
                 self._controlled.add(queue)
 
+        normal = normal and not self._withdrawing[queue]  # else one may be on its way back
         try:
             taken = await _ops.dequeue(
                 self._redis,
@@ -894,11 +904,12 @@ class Worqr:
                 self._worker_id,
                 queue,
                 count,
-                announced=announced and queue not in self._controlled,
+                announced=announced and normal and queue not in self._controlled,
                 new_ids=new_ids,
                 seen=seen,
                 picker=self._pickers.setdefault(queue, Picker()),
                 policy=policy,
+                normal=normal,
             )
             if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
                 for process in reversed(taken):
@@ -930,11 +941,14 @@ class Worqr:
     def _can_block(self, queue: str) -> bool:
         """Whether an idle consumer of ``queue`` may wait in a blocking take (see
         `_block_take`): one server (a Cluster keeps the heartbeat on another slot), the
-        queue last seen plain (no pause, limit or other levels), the lease fresh, and
-        no blocking take of the queue failed within the last few seconds."""
+        queue last seen plain (no pause, limit or other levels), the lease fresh, no
+        blocking take of the queue failed within the last few seconds, and none given
+        up may still send its task back to the front (a block would take the next one
+        first)."""
         return (
             self._blocking is not None
             and queue not in self._controlled
+            and not self._withdrawing[queue]
             and not self._lease_lapsed()
             and time.monotonic() >= self._block_rest.get(queue, 0.0)
         )
@@ -943,8 +957,10 @@ class Worqr:
         """Wait up to `_BLOCK_SECONDS` for the queue's next normal task, moved by Redis
         into a process of this worker the moment it is pushed (`_ops_block`): the idle
         path without a round trip after the wake-up. [] when none came, the queue
-        turned out paused or limited (the task went back to the front), or the take
-        could not be armed (then blocking takes of the queue rest a while).
+        turned out paused or limited, or with tasks at another level (the task went
+        back to the front; at another level before this returns, so that the look
+        that follows finds it in place), or the take could not be armed (then
+        blocking takes of the queue rest a while).
 
         ``received()`` is called as a task arrives, before anything else: from then on
         the caller must not cancel the call (the task is held, and must reach a
@@ -983,9 +999,10 @@ class Worqr:
                 else:
                     await self._lose_leases("heartbeat expired")
                 return []
-            task, flow = await _ops_block.outcome(
+            done = await _ops_block.outcome(
                 connection, self._keys, self._worker_id, queue, self._block_seconds
             )
+            task, flow = done.task, done.flow
             over = True
             if task is None:  # none came: the id goes, its block over
                 await _ops_block.forget(connection, self._keys, self._worker_id, queue, pid)
@@ -1019,6 +1036,12 @@ class Worqr:
         if epoch != self._epoch:  # the leases were lost meanwhile: back it goes
             self._give_up(queue, pid, None, over=True)
             return []
+        if done.leveled:  # a higher level may hold one: back to the front, then a look
+            self._controlled.add(queue)
+            self._withdrawing[queue] += 1
+            with anyio.CancelScope(shield=True):  # the look must find it back in place
+                await self._withdraw(queue, pid, 0.0)
+            return []
         process = _ops.as_process(pid, task, queue)
         self._held[pid] = process
         self._taking.discard(pid)
@@ -1035,21 +1058,29 @@ class Worqr:
             wait = max(0.0, armed_at + self._block_seconds + _BLOCK_MARGIN - time.monotonic())
         else:
             wait = _UNKNOWN_ARM_WAIT
-
-        async def withdraw() -> None:
-            try:
-                await anyio.sleep(wait)
-                await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
-            except BackendError as exc:  # it stays recorded: a reclaim or the
-                # recovery of this worker returns it later
-                self._reach.failed("could not give up a blocking take", exc, queue=queue)
-            finally:
-                self._taking.discard(pid)
-
         if self._task_group is None or self._closed:
             self._taking.discard(pid)  # closing: peers reclaim it with the worker
             return
-        self._task_group.start_soon(withdraw)
+        self._withdrawing[queue] += 1
+        self._task_group.start_soon(self._withdraw, queue, pid, wait)
+
+    async def _withdraw(self, queue: str, pid: str, wait: float) -> None:
+        """`_give_up`'s withdrawal, ``wait`` seconds from now, counted in
+        `_withdrawing` by the caller: until it is over this worker takes nothing from
+        the normal level of the queue, so that the task it may send back to the front
+        is not overtaken; then a look (a bare ``work``) lets the consumers take it."""
+        try:
+            await anyio.sleep(wait)
+            await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
+        except BackendError as exc:  # it stays recorded: a reclaim or the
+            # recovery of this worker returns it later
+            self._reach.failed("could not give up a blocking take", exc, queue=queue)
+        finally:
+            self._taking.discard(pid)
+            self._withdrawing[queue] -= 1
+            if not self._withdrawing[queue]:
+                del self._withdrawing[queue]
+                self._events.poke(queue, "work", "")
 
     async def _set_deadlines(self, queue: str, processes: list[Process]) -> None:
         """Record, for the jobs with a timeout, when a peer may take them away: their
