@@ -45,7 +45,7 @@ from worqr._envelope import MARKER
 from worqr._names import new_process_id
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, Factory, eventually, raw_keys
+from .helpers import FAST, RELAXED, Factory, eventually, raw_keys
 from .helpers import consuming as consuming_queue
 from .proxy import LatencyProxy
 
@@ -979,6 +979,73 @@ async def test_a_promotion_racing_a_cancel_does_not_queue_the_cancelled_job(
     assert moved == [0]
     assert await admin.get_tasks(Q) == [] and await admin.get_delayed(Q) == []
     assert await job.status() == JobStatus.FAILED
+
+
+async def test_a_promotion_racing_a_cancel_after_its_fence_does_not_queue_the_job(
+    real_make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job is cancelled after the promotion watched its record and found it due
+    (ZMSCORE): the EXEC aborts, the next attempt finds it gone."""
+    admin = real_make()
+    job = await admin.submit(Q, "x", job_id="pc-2", delay=0.05)
+    await anyio.sleep(0.1)
+    async with (
+        paused_after(monkeypatch, lambda c: c[0] == "ZMSCORE") as (paused, resume),
+        anyio.create_task_group() as tg,
+    ):
+        moved: list[int] = []
+
+        async def promote() -> None:
+            moved.append((await worqr._ops.promote(admin._redis, admin._keys, Q)).moved)
+
+        tg.start_soon(promote)
+        with anyio.fail_after(5):
+            await paused.wait()
+        assert await job.cancel()
+        resume.set()
+    assert moved == [0]
+    assert await admin.get_tasks(Q) == [] and await admin.get_delayed(Q) == []
+    assert await job.status() == JobStatus.FAILED
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002], ids=["loopback", "slow-link"])
+async def test_a_promotion_gets_through_while_delayed_jobs_keep_coming(
+    delay: float, proxy: LatencyProxy, real_make: Factory, prefix: str
+) -> None:
+    """Live traffic: producers keep submitting jobs with a delay (each one writes the
+    delayed set) while a worker promotes those that are due. The promotion moves each
+    due job once and gives up on none (it used to WATCH the delayed set, and at a few
+    ms from Redis nearly every EXEC met a submit's write)."""
+    proxy.delay = delay
+    producer = real_make()
+    due = [(await producer.submit(Q, f"due {n}", delay=0.05)).id for n in range(20)]
+    await anyio.sleep(0.1)
+    stop = anyio.Event()
+    submitted = 0
+
+    async def produce() -> None:
+        nonlocal submitted
+        while not stop.is_set():
+            await producer.submit(Q, "later", delay=3600)
+            submitted += 1
+
+    promoter = Worqr.from_url(proxy.url, prefix=prefix, **RELAXED)
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(produce)
+            with anyio.fail_after(60):
+                while submitted < 20:  # the producers are under way
+                    await anyio.sleep(0.01)
+                moved = 0
+                for _ in range(3):  # live traffic makes no job due: one pass moves all
+                    moved += (await worqr._ops.promote(promoter._redis, promoter._keys, Q)).moved
+            stop.set()
+    finally:
+        await promoter.close()
+    assert moved == len(due)
+    assert sorted(job_of(task) for task in await producer.get_tasks(Q)) == sorted(due)
+    assert {await producer.job(Q, job_id).status() for job_id in due} == {JobStatus.QUEUED}
 
 
 async def test_taking_an_overdue_attempt_racing_its_finish_ends_it_once(

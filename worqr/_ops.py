@@ -111,7 +111,7 @@ async def reads_checked(r: Client, commands: Sequence[Command]) -> list[Any]:
     return replies
 
 
-async def _beside(pipe: Pipeline, commands: Sequence[Command]) -> list[Any]:
+async def _beside(pipe: Pipeline, commands: Sequence[Wire]) -> list[Any]:
     """Reads sent on a WATCHing pipeline's own connection, in one round trip: their raw
     replies in order, a WRONGTYPE error in place (as `reads`).
 
@@ -302,9 +302,15 @@ def _transaction(commands: Sequence[Command]) -> Callable[[Redis], Awaitable[lis
 
 
 async def _optimistic(
-    r: Client, watch: Sequence[str], body: Callable[[Pipeline], Awaitable[_T]]
+    r: Client,
+    watch: Sequence[str],
+    body: Callable[[Pipeline], Awaitable[_T]],
+    *,
+    slot: str | None = None,
 ) -> tuple[_T, list[Any]]:
     """WATCH ``watch``, run ``body`` (reads, then ``pipe.multi()`` and queued writes), EXEC.
+    With no ``watch`` (the body watches what its first reads name), ``slot`` is a key
+    of the slot the body works on.
 
     Returns the body's value and EXEC's replies (empty when the body wrote nothing),
     a WRONGTYPE error in place of the reply of a command that met a wrong-typed key
@@ -320,7 +326,8 @@ async def _optimistic(
         async with node.pipeline(transaction=True) as pipe:
             for _ in range(_MAX_ATTEMPTS):
                 try:
-                    await pipe.watch(*watch)
+                    if watch:
+                        await pipe.watch(*watch)
                     result = await body(pipe)
                     if not pipe.explicit_transaction:
                         await pipe.reset()
@@ -335,9 +342,10 @@ async def _optimistic(
                     if isinstance(exc.__context__, RedisConnectionError | RedisTimeoutError):
                         raise _unknown_outcome() from exc
                     continue
-        raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {watch[0]}")
+        raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {where}")
 
-    return await on_slot(r, watch[0], attempts)
+    where = slot if slot is not None else watch[0]
+    return await on_slot(r, where, attempts)
 
 
 async def _register_after(
@@ -1146,27 +1154,34 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
     """Move the jobs whose due time has come (by the server's ``TIME``) from the
     delayed set to the back of the queue, earliest first.
 
-    WATCH makes it safe for every worker of the queue to try at once: one moves each
-    job, the others find it gone and re-read. Only what is due is read, and the one
-    entry after it (the next due time), however many jobs wait for later.
-      1. WATCH delayed
-      2. TIME                                         -> now (ms)
-      3. ZRANGE delayed -inf <now> BYSCORE LIMIT 0 1000 WITHSCORES     -> those due
+    Every worker of the queue may try at once: one moves each job, the others find it
+    gone. The fence is the due jobs' records, which every other writer that takes a
+    job out of the delayed set writes too (a promotion, `cancel_job`, `delete_queue`),
+    not the delayed set itself: each `submit` with a delay writes that, and under
+    live traffic a WATCH on it failed nearly every EXEC. An entry that is no job
+    (nothing else writes one, but data under the prefix may be anything) is fenced
+    by the set. Only what is due is read, and the one entry after it (the next due
+    time), however many jobs wait for later.
+      1. TIME                                         -> now (ms)
+      2. ZRANGE delayed -inf <now> BYSCORE LIMIT 0 1000 WITHSCORES     -> those due
          ZRANGE delayed (<now> +inf BYSCORE LIMIT 0 1 WITHSCORES     -> the next due
                                                          (both in one round trip)
-         (none due: UNWATCH)
-      4. MULTI
-      5. ZREM delayed <envelope>...
-      6. RPUSH <level> <envelope>...                  (each to its priority's list)
-      7. HSET j:<id> state queued;  HDEL j:<id> due   (per job)
-      8. PUBLISH events work:<n>                      (work: when not all are normal)
-      9. EXEC                                         -> nil: back to 1
-     10. SADD queues queue
+         (none due: done)
+      3. WATCH j:<id>...                              (and delayed, for a non-job)
+      4. ZMSCORE delayed <envelope>...;  TYPE <level>...   -> gone or not due: left
+                                                         out (none left: UNWATCH)
+      5. MULTI
+      6. ZREM delayed <envelope>...
+      7. RPUSH <level> <envelope>...                  (each to its priority's list)
+      8. HSET j:<id> state queued;  HDEL j:<id> due   (per job)
+      9. PUBLISH events work:<n>                      (work: when not all are normal)
+     10. EXEC                                         -> nil: back to 1
+     11. SADD queues queue
     """
     delayed = keys.delayed(queue)
 
     async def body(pipe: Pipeline) -> Promotion:
-        now = server_ms(await call(pipe, "TIME"))
+        now = server_ms(await pipe.immediate_execute_command("TIME"))
         head, after = await _beside(
             pipe,
             [
@@ -1186,28 +1201,41 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
         )
         _raise_wrong([("ZRANGE", delayed)], [head])
         due = [text(member) for member, _ in _pairs(head)]
-        moving = [stored(member) for member in due]  # written back as they are stored
         later = [_ms(score) for _, score in _pairs(after)]
         next_due = later[0] if later else None
         if len(due) == _PROMOTE_BATCH:
             next_due = now  # more may be due: the caller promotes again at once
         if not due:
-            await pipe.reset()
             return Promotion(0, next_due, now)
+        ids = [_job_id(member) for member in due]
+        fences = {keys.job(queue, job_id) for job_id in ids if job_id is not None}
+        await pipe.watch(*sorted(fences), *([delayed] if None in ids else []))
+        moving = [stored(member) for member in due]  # written back as they are stored
         levels = [level_of_stored(member) for member in due]
-        for level in set(levels):
-            await _require(pipe, keys.level(queue, level), "list")
+        kinds = sorted(set(levels))
+        replies = await _beside(
+            pipe,
+            [("ZMSCORE", delayed, *moving)] + [("TYPE", keys.level(queue, k)) for k in kinds],
+        )
+        for level, found in zip(kinds, replies[1:], strict=True):
+            if text(found) not in ("list", "none"):
+                await pipe.reset()
+                raise _corrupt(keys.level(queue, level), text(found))
+        still = [(ms := _ms(score)) is not None and ms <= now for score in replies[0]]
+        if not any(still):
+            return Promotion(0, next_due, now)
         pipe.multi()
-        pipe.execute_command("ZREM", keys.delayed(queue), *moving)
-        _push_levels(pipe, keys, queue, list(zip(levels, moving, strict=True)))
-        for member in due:
-            job_id = _job_id(member)
+        moved = [i for i, kept in enumerate(still) if kept]
+        pipe.execute_command("ZREM", delayed, *(moving[i] for i in moved))
+        _push_levels(pipe, keys, queue, [(levels[i], moving[i]) for i in moved])
+        for i in moved:
+            job_id = ids[i]
             if job_id is not None:
                 pipe.execute_command("HSET", keys.job(queue, job_id), "state", "queued")
                 pipe.execute_command("HDEL", keys.job(queue, job_id), "due")
-        return Promotion(len(due), next_due, now)
+        return Promotion(len(moved), next_due, now)
 
-    done, _ = await _optimistic(r, [keys.delayed(queue)], body)
+    done, _ = await _optimistic(r, [], body, slot=delayed)
     if done.moved:
         await reads(r, [("SADD", keys.queues, queue)])
     return done
