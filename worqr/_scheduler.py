@@ -85,9 +85,12 @@ class Scheduler:
             self._stale.discard(queue)
             await self._load(queue)
         now = self._clock.estimate_ms()
-        for (queue, name), due in list(self._due.items()):
-            if due <= now and self._due.get((queue, name)) == due:
-                await self._fire(queue, name)
+        due: dict[str, list[str]] = {}
+        for (queue, name), tick in self._due.items():
+            if tick <= now:
+                due.setdefault(queue, []).append(name)
+        for queue, names in due.items():
+            await self._fire(queue, names)
         if self._stale:  # queues watched while this round ran: load them now
             return
         now = self._clock.estimate_ms()
@@ -116,24 +119,36 @@ class Scheduler:
             since = counted_from(stored.state, 0)
             self._due[(queue, stored.name)] = stored.definition.next_after(since)
 
-    async def _fire(self, queue: str, name: str) -> None:
+    async def _fire(self, queue: str, names: list[str]) -> None:
+        """Fire a queue's due schedules together: one transaction for them all, so that
+        a pass costs the same few round trips however many are due."""
         try:
-            done = await _ops_schedules.fire(self._client, self._keys, queue, name)
-        except Exception as exc:  # one schedule's trouble must not stop the others
+            fired = await _ops_schedules.fire_due(self._client, self._keys, queue, names)
+        except Exception as exc:  # the queue's trouble must not stop the other queues
             if not isinstance(exc, CorruptDataError):
-                self._log.warning(
-                    "firing schedule %r failed: %s", name, exc, extra={"queue": queue}
-                )
-            self._due[(queue, name)] = self._clock.estimate_ms() + _RETRY_AFTER_MS
+                self._log.warning("firing schedules failed: %s", exc, extra={"queue": queue})
+            retry = self._clock.estimate_ms() + _RETRY_AFTER_MS
+            for name in names:
+                self._due[(queue, name)] = retry
             return
-        if done.skipped:
-            self._log.info(
-                "schedule %r skipped a tick: its previous run is still live",
-                name,
+        late: list[int] = []
+        for name, done in fired.items():
+            late += done.late_ms
+            if done.skipped:
+                self._log.info(
+                    "schedule %r skipped a tick: its previous run is still live",
+                    name,
+                    extra={"queue": queue},
+                )
+            if done.next_ms is None or queue not in self._queues:
+                self._due.pop((queue, name), None)
+                continue
+            # As the promoter does: the next tick as this peer's estimate will reach it.
+            self._due[(queue, name)] = self._clock.estimate_ms() + done.next_ms - done.now_ms
+        if late:
+            self._log.warning(
+                "%d schedule tick(s) submitted late, up to %.3f s: the queue's workers are busy",
+                len(late),
+                max(late) / 1000,
                 extra={"queue": queue},
             )
-        if done.next_ms is None or queue not in self._queues:
-            self._due.pop((queue, name), None)
-            return
-        # As the promoter does: the next tick as this peer's estimate will reach it.
-        self._due[(queue, name)] = self._clock.estimate_ms() + done.next_ms - done.now_ms
