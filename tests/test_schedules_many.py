@@ -10,8 +10,9 @@ from collections import defaultdict
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
+from worqr._ops_schedules import fire
 
-from .helpers import RELAXED, consuming, eventually
+from .helpers import RELAXED, Factory, consuming, eventually
 from .proxy import LatencyProxy
 from .test_schedules import _tick_ms
 
@@ -67,3 +68,25 @@ async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
 async def test_no_tick_of_many_schedules_is_lost_on_loopback(redis_url: str) -> None:
     """200 schedules of 0.2 s on loopback: a pass costs more than the period."""
     await _every_tick_once(redis_url, schedules=200, every=0.2, rounds=15)
+
+
+async def test_ticks_a_busy_worker_reaches_late_are_submitted_and_counted(
+    real_make: Factory, real_client: Redis
+) -> None:
+    """Five ticks due since a worker last fired the schedule 5 s ago: the fleet was alive,
+    so misfire="latest" keeps them all, and the late ones are counted."""
+    worqr = real_make()
+    await worqr.schedule("busy", "q", "p", every=1)
+    seconds, micros = await real_client.time()
+    now = int(seconds) * 1000 + int(micros) // 1000
+    last = now - now % 1000 - 5000
+    await real_client.hset(
+        worqr._keys.schedule("q", "busy"), mapping={"since": last, "last": last, "seen": last}
+    )
+    done = await fire(worqr._redis, worqr._keys, "q", "busy")
+    assert [_tick_ms(job_id) for job_id in done.submitted] == [
+        last + i * 1000 for i in (1, 2, 3, 4, 5)
+    ]
+    (info,) = await worqr.get_schedules()
+    assert info.late >= 4 and info.skipped == 0
+    assert (await fire(worqr._redis, worqr._keys, "q", "busy")).submitted == []

@@ -1,5 +1,6 @@
 """Driving schedules: every worker keeps a timer for the schedules of the queues it
-works on, and at each tick tries `_ops_schedules.fire`.
+works on, and at each tick tries `_ops_schedules.fire_due` for all of a queue's due
+schedules at once.
 
 No peer owns a schedule: each worker of its queue wakes at the tick, and the watched
 transaction of `fire` lets exactly one of them submit it (the others find the tick
@@ -41,6 +42,7 @@ class Scheduler:
         self._due: dict[tuple[str, str], int] = {}  # (queue, name) -> next tick (server ms)
         self._loaded: dict[str, float] = {}  # queue -> monotonic time of its last read
         self._wake = anyio.Event()
+        self._late: dict[str, tuple[int, int, float]] = {}  # queue -> (ticks, most ms, since)
 
     def watch(self, queue: str) -> None:
         """Drive the schedules of ``queue`` from now on."""
@@ -146,9 +148,21 @@ class Scheduler:
             # As the promoter does: the next tick as this peer's estimate will reach it.
             self._due[(queue, name)] = self._clock.estimate_ms() + done.next_ms - done.now_ms
         if late:
-            self._log.warning(
-                "%d schedule tick(s) submitted late, up to %.3f s: the queue's workers are busy",
-                len(late),
-                max(late) / 1000,
-                extra={"queue": queue},
-            )
+            self._tell_late(queue, late)
+
+    def _tell_late(self, queue: str, late: list[int]) -> None:
+        """Log the ticks submitted late, at most once every `_RELOAD` seconds per queue
+        (summed meanwhile): a fleet that stays busy must not log at every pass."""
+        count, most, since = self._late.get(queue, (0, 0, -_RELOAD))
+        count, most = count + len(late), max(most, *late)
+        now = anyio.current_time()
+        if now - since < _RELOAD:
+            self._late[queue] = (count, most, since)
+            return
+        self._late[queue] = (0, 0, now)
+        self._log.warning(
+            "%d schedule tick(s) submitted late, up to %.3f s: the queue's workers are busy",
+            count,
+            most / 1000,
+            extra={"queue": queue},
+        )
