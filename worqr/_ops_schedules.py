@@ -82,12 +82,15 @@ async def store(
       1. WATCH s:<name>;  HGET s:<name> def     -> the same: UNWATCH, return False
       2. TIME                                   -> now
       3. MULTI;  HSET s:<name> def <json> since <now or the carried last tick>
-         [last <the carried last tick> job .. skipped ..];  SADD schedules <name>
+         [last <the carried last tick> job .. skipped .. seen .. late ..];
+         SADD schedules <name>
          PUBLISH events schedule:<name>;  EXEC  -> nil: back to 1
     """
     key, raw = keys.schedule(queue, name), definition.dumps()
     kept: dict[str, str] = {
-        f: carried[f] for f in ("last", "job", "skipped") if carried and f in carried
+        f: carried[f]
+        for f in ("last", "job", "skipped", "seen", "late")
+        if carried and f in carried
     }
 
     async def body(pipe: Pipeline) -> bool:
