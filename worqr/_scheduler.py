@@ -91,8 +91,9 @@ class Scheduler:
         for (queue, name), tick in self._due.items():
             if tick <= now:
                 due.setdefault(queue, []).append(name)
-        for queue, names in due.items():
-            await self._fire(queue, names)
+        async with anyio.create_task_group() as tg:  # queues at once: none waits for another
+            for queue, names in due.items():
+                tg.start_soon(self._fire, queue, names)
         if self._stale:  # queues watched while this round ran: load them now
             return
         now = self._clock.estimate_ms()
