@@ -36,7 +36,8 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)
   bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)
   bench-jobs  python -m benchmarks.jobs ARGS (delayed jobs, results and retries against peers)
-  bench-schedules  python -m benchmarks.schedules ARGS (a cron chaos run, worqr and peers)
+  bench-schedules  python -m benchmarks.schedules ARGS (a cron chaos run, worqr and peers;
+                   --many: 1,000 schedules on 10 queues, worqr alone, 2 ms)
   bench-flow  python -m benchmarks.flow ARGS (priority fairness, rate-limit accuracy)
   bench-http  python -m benchmarks.http_api ARGS (the HTTP API under load, against SAQ's web)"""
 

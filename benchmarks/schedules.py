@@ -1,6 +1,7 @@
 """The schedule benchmark: each library's own periodic jobs under chaos, in one run.
 
 ``python -m benchmarks.schedules [--quick] [--peers worqr,arq,...] [--minutes M] [--out DIR]``
+(``--many``: worqr alone with many schedules, see benchmarks/schedules_many.py)
 
 For each library in turn, on one server started for the run and the venvs and
 adapters of benchmarks/suite.py: a schedule firing every `EVERY` second, made with
@@ -733,6 +734,10 @@ def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--many" in (sys.argv[1:] if argv is None else argv):
+        from benchmarks import schedules_many  # worqr alone: many schedules, no chaos
+
+        return schedules_many.main(argv)
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--minutes", type=float, default=None)
     known, rest = extra.parse_known_args(argv)

@@ -798,6 +798,7 @@ PARTS = [
     ("<!-- schedules:start -->", "<!-- schedules:end -->"),
     ("<!-- flow:start -->", "<!-- flow:end -->"),
     ("<!-- http:start -->", "<!-- http:end -->"),
+    ("<!-- schedules-many:start -->", "<!-- schedules-many:end -->"),
 ]
 """The marks of the parts of benchmarks.md that other benchmarks write (jobs.py,
 schedules.py, flow.py, http_api.py): this one keeps them when it rewrites the page."""

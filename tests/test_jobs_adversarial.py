@@ -1020,14 +1020,12 @@ async def test_a_promotion_gets_through_while_delayed_jobs_keep_coming(
     producer = real_make()
     due = [(await producer.submit(Q, f"due {n}", delay=0.05)).id for n in range(20)]
     await anyio.sleep(0.1)
-    stop = anyio.Event()
-    submitted = 0
+    stop, going = anyio.Event(), anyio.Event()
 
     async def produce() -> None:
-        nonlocal submitted
         while not stop.is_set():
             await producer.submit(Q, "later", delay=3600)
-            submitted += 1
+            going.set()
 
     promoter = Worqr.from_url(proxy.url, prefix=prefix, **RELAXED)
     try:
@@ -1035,11 +1033,8 @@ async def test_a_promotion_gets_through_while_delayed_jobs_keep_coming(
             for _ in range(4):
                 tg.start_soon(produce)
             with anyio.fail_after(60):
-                while submitted < 20:  # the producers are under way
-                    await anyio.sleep(0.01)
-                moved = 0
-                for _ in range(3):  # live traffic makes no job due: one pass moves all
-                    moved += (await worqr._ops.promote(promoter._redis, promoter._keys, Q)).moved
+                await going.wait()
+                moved = (await worqr._ops.promote(promoter._redis, promoter._keys, Q)).moved
             stop.set()
     finally:
         await promoter.close()

@@ -8,7 +8,7 @@ one transaction; the fleet-wide ``schedules`` registry maps names to queues.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio.client import Pipeline
 
@@ -17,6 +17,7 @@ from ._errors import CorruptDataError, is_wrong_type, redis_boundary
 from ._keys import Keys
 from ._ops import (
     Client,
+    Command,
     _beside,
     _corrupt,
     _optimistic,
@@ -34,7 +35,7 @@ from ._ops import (
     server_ms,
     text,
 )
-from ._schedules import MAX_MISFIRED, Definition, counted_from
+from ._schedules import Definition
 
 SCHEDULE_EVENT = "schedule"
 """The event (``schedule:<name>``) telling a queue's workers that one of its
@@ -81,12 +82,15 @@ async def store(
       1. WATCH s:<name>;  HGET s:<name> def     -> the same: UNWATCH, return False
       2. TIME                                   -> now
       3. MULTI;  HSET s:<name> def <json> since <now or the carried last tick>
-         [last <the carried last tick> job .. skipped ..];  SADD schedules <name>
+         [last <the carried last tick> job .. skipped .. seen .. late ..];
+         SADD schedules <name>
          PUBLISH events schedule:<name>;  EXEC  -> nil: back to 1
     """
     key, raw = keys.schedule(queue, name), definition.dumps()
     kept: dict[str, str] = {
-        f: carried[f] for f in ("last", "job", "skipped") if carried and f in carried
+        f: carried[f]
+        for f in ("last", "job", "skipped", "seen", "late")
+        if carried and f in carried
     }
 
     async def body(pipe: Pipeline) -> bool:
@@ -235,102 +239,135 @@ class Firing:
     next_ms: int | None
     """The next tick after the server's now; None if the schedule is gone (or broken)."""
     now_ms: int
+    late_ms: list[int] = field(default_factory=list)
+    """How late each tick submitted late was found (see `ScheduleInfo.late`)."""
+
+
+async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
+    """`fire_due` for one schedule."""
+    return (await fire_due(r, keys, queue, [name]))[name]
 
 
 @redis_boundary
-async def fire(r: Client, keys: Keys, queue: str, name: str) -> Firing:
-    """Submit a schedule's due ticks as jobs, each exactly once, fleet-wide.
+async def fire_due(r: Client, keys: Keys, queue: str, names: Sequence[str]) -> dict[str, Firing]:
+    """Submit the due ticks of a queue's schedules ``names`` as jobs, each exactly once,
+    fleet-wide, in a number of round trips that does not grow with how many are due.
 
-    The record of the latest tick handled and the jobs move in one transaction,
-    watched: of the workers that wake for a tick, one submits it and the others find
-    it handled. Ticks already in the job index (a job made by hand under a tick's id)
-    are not submitted again.
+    The records of the ticks handled and the jobs move in one transaction, watched: of
+    the workers that wake for a tick, one submits it and the others find it handled.
+    Ticks already in the job index (a job made by hand under a tick's id) are not
+    submitted again. Which ticks are due: `Definition.due` (a tick late because the
+    workers are busy is submitted and counted ``late``; ``misfire`` applies only to
+    ticks that passed while no worker fired the schedule).
+    A schedule whose copy is an orphan (see `claim`), gone or unreadable fires nothing
+    (next_ms None); so does one whose level list is wrong-typed (check() reports both).
     Keys: s:<name> (HASH), jobs (ZSET), j:<id>... (HASH), tasks (LIST: the list of
     the schedule's priority, see `Keys.level`).
-      0. HGET <prefix>:schedules <name>          -> another queue, or none: this copy is
-                                                  an orphan: fire nothing
-      1. WATCH s:<name>
-      2. TIME;  HGETALL s:<name>;  TYPE high tasks low  -> due ticks after max(since, last), by
-                                                  misfire; none: UNWATCH
-      3. ZMSCORE jobs <id>...;  (overlap=False) ZSCORE jobs <job>     -> +inf: skip
-      5. MULTI
-      6. HSET s:<name> last <tick> [job <id>];  (skipped) HINCRBY s:<name> skipped 1
-      7. per job: DEL j:<id>;  HSET j:<id> ...;  ZADD jobs +inf <id>
-      8. RPUSH tasks <envelope>...;  PUBLISH events work:<n>   (work: for high or low)
-      9. EXEC                                   -> nil: back to 1
-     10. SADD queues queue
+      0. HMGET <prefix>:schedules <name>...      -> another queue, or none: an orphan
+      1. WATCH s:<name>...
+      2. TIME;  HGETALL s:<name>...;  TYPE high tasks low  -> due ticks (`Definition.due`);
+                                                  none due anywhere: UNWATCH
+      3. per schedule with due ticks: ZMSCORE jobs <id>...;
+         (overlap=False) ZSCORE jobs <job>      -> +inf: skip
+      4. MULTI
+      5. per schedule with due ticks: HSET s:<name> last <tick> seen <now> [job <id>];
+         (skipped) HINCRBY s:<name> skipped 1;  (late) HINCRBY s:<name> late <n>
+      6. per job: DEL j:<id>;  HSET j:<id> ...;  ZADD jobs +inf <id>
+      7. per level: RPUSH tasks <envelope>...;  PUBLISH events work:<n>
+      8. EXEC                                   -> nil: back to 1
+      9. SADD queues queue
     """
-    key = keys.schedule(queue, name)
-    if await queue_of(r, keys, name) != queue:  # an orphan (see `claim`): it never fires;
-        return Firing([], False, None, 0)  # a move drops it, or check(repair=True)
+    (owners,) = await reads(r, [("HMGET", keys.schedules, *names)])
+    if is_wrong_type(owners):
+        raise _corrupt(keys.schedules)
+    mine = [n for n, q in zip(names, owners, strict=True) if q is not None and text(q) == queue]
+    gone = {n: Firing([], False, None, 0) for n in names if n not in mine}
+    if not mine:
+        return gone
+    watched = [keys.schedule(queue, name) for name in mine]
+    levels = keys.levels(queue)
 
-    async def body(pipe: Pipeline) -> Firing:
-        clock, raw, *kinds = await _beside(
-            pipe, [("TIME",), ("HGETALL", key), *(("TYPE", level) for level in keys.levels(queue))]
+    async def body(pipe: Pipeline) -> dict[str, Firing]:
+        clock, *found = await _beside(
+            pipe,
+            [("TIME",), *(("HGETALL", key) for key in watched), *(("TYPE", lv) for lv in levels)],
         )
         now = server_ms(clock)
-        _raise_wrong([("HGETALL", key)], [raw])
-        state = fields_of(raw) if raw else {}
-        if "def" not in state:
+        raws, kinds = found[: len(mine)], found[len(mine) :]
+        sound = {lv: text(kind) in ("list", "none") for lv, kind in zip(levels, kinds, strict=True)}
+        done = dict(gone)
+        plans: list[tuple[str, str, Definition, dict[str, str], list[int], int]] = []
+        for name, key, raw in zip(mine, watched, raws, strict=True):
+            state = {} if is_wrong_type(raw) or not raw else fields_of(raw)
+            try:
+                definition = Definition.loads(state.get("def", ""), key)
+            except CorruptDataError:
+                done[name] = Firing([], False, None, now)
+                continue
+            made = definition.job_options()
+            ticks, latest = definition.due(state, now)
+            if latest is not None and not sound[keys.level(queue, made.priority)]:
+                done[name] = Firing([], False, None, now)  # check() reports the level
+                continue
+            done[name] = Firing([], False, definition.next_after(now), now)
+            if latest is not None:
+                if not definition.overlap:  # one run at a time: missed ticks beyond the
+                    ticks = ticks[-1:]  # latest would run beside it
+                plans.append((name, key, definition, state, ticks, latest))
+        if not plans:
             await pipe.reset()
-            return Firing([], False, None, now)
-        definition = Definition.loads(state["def"], key)
-        limit = MAX_MISFIRED if definition.misfire == "all" else 1
-        due = definition.ticks(counted_from(state, now), now, limit)
-        next_ms = definition.next_after(now)
-        if not due:
-            await pipe.reset()
-            return Firing([], False, next_ms, now)
-        latest = due[-1]
-        if definition.misfire == "skip" and now - latest > definition.grace_ms:
-            due = []
-        skipped = False
-        if not definition.overlap:  # one run at a time: missed ticks beyond the latest
-            due = due[-1:]  # would run beside it (misfire="all" under overlap=False)
-        envelopes: list[Envelope] = []
-        made = definition.job_options()
-        level = keys.level(queue, made.priority)
-        kind = dict(zip(keys.levels(queue), kinds, strict=True))[level]
-        if due:
-            if text(kind) not in ("list", "none"):
-                await pipe.reset()
-                raise _corrupt(level, text(kind))
-            ids = [definition.tick_id(name, tick) for tick in due]
+            return done
+        looks: list[Command] = []
+        for name, _, definition, state, ticks, _ in plans:
+            ids = [definition.tick_id(name, tick) for tick in ticks]
+            looks.append(("ZMSCORE", keys.jobs(queue), *ids) if ids else ("TIME",))
             previous = state.get("job") if not definition.overlap else None
-            scores, *running = await _beside(
-                pipe,
-                [
-                    ("ZMSCORE", keys.jobs(queue), *ids),
-                    *([("ZSCORE", keys.jobs(queue), previous)] if previous else []),
-                ],
-            )
-            if is_wrong_type(scores):
-                await pipe.reset()
-                raise _corrupt(keys.jobs(queue))
-            skipped = bool(running) and live_score(running[0])
-            fresh = (
-                []
-                if skipped
-                else [job_id for job_id, score in zip(ids, scores, strict=True) if score is None]
-            )
-            for job_id in fresh:
-                envelopes += made.envelopes([definition.payload], job_id, now)
+            looks.append(("ZSCORE", keys.jobs(queue), previous) if previous else ("TIME",))
+        replies = await _beside(pipe, looks)
+        if any(is_wrong_type(reply) for reply in replies):
+            await pipe.reset()
+            raise _corrupt(keys.jobs(queue))
         pipe.multi()
-        record: list[str | int] = ["last", latest]
-        if envelopes:
-            record += ["job", envelopes[-1].header.id]
-        pipe.execute_command("HSET", key, *record)
-        if skipped:
-            pipe.execute_command("HINCRBY", key, "skipped", 1)
         life = new_life()
-        for envelope in envelopes:
-            _record_job(pipe, keys, queue, envelope, "queued", life=life)
-        if envelopes:
-            pipe.execute_command("RPUSH", level, *(e.raw for e in envelopes))
-            pipe.execute_command(*announce(keys, queue, made.priority, len(envelopes)))
-        return Firing([e.header.id for e in envelopes], skipped, next_ms, now)
+        pushed: dict[str, list[Envelope]] = {}
+        for i, (name, key, definition, state, ticks, latest) in enumerate(plans):
+            scores, running = replies[2 * i], replies[2 * i + 1]
+            previous = state.get("job") if not definition.overlap else None
+            skipped = bool(previous) and live_score(running)
+            made = definition.job_options()
+            envelopes: list[Envelope] = []
+            late: list[int] = []
+            for tick, score in zip(ticks, scores if ticks else [], strict=True):
+                if skipped or score is not None:
+                    continue
+                envelopes += made.envelopes(
+                    [definition.payload], definition.tick_id(name, tick), now
+                )
+                if now - tick > definition.grace_ms:
+                    late.append(now - tick)
+            record: list[str | int] = ["last", latest, "seen", now]
+            if envelopes:
+                record += ["job", envelopes[-1].header.id]
+            pipe.execute_command("HSET", key, *record)
+            if skipped:
+                pipe.execute_command("HINCRBY", key, "skipped", 1)
+            if late:
+                pipe.execute_command("HINCRBY", key, "late", len(late))
+            for envelope in envelopes:
+                _record_job(pipe, keys, queue, envelope, "queued", life=life)
+            pushed.setdefault(made.priority, []).extend(envelopes)
+            done[name] = Firing(
+                [e.header.id for e in envelopes], skipped, done[name].next_ms, now, late
+            )
+        for priority, envelopes in pushed.items():
+            if envelopes:
+                pipe.execute_command(
+                    "RPUSH", keys.level(queue, priority), *(e.raw for e in envelopes)
+                )
+                pipe.execute_command(*announce(keys, queue, priority, len(envelopes)))
+        return done
 
-    done, _ = await _optimistic(r, [key], body)
-    if done.submitted:
+    fired, _ = await _optimistic(r, watched, body)
+    if any(f.submitted for f in fired.values()):
         await reads(r, [("SADD", keys.queues, queue)])
-    return done
+    return fired

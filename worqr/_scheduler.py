@@ -1,5 +1,6 @@
 """Driving schedules: every worker keeps a timer for the schedules of the queues it
-works on, and at each tick tries `_ops_schedules.fire`.
+works on, and at each tick tries `_ops_schedules.fire_due` for all of a queue's due
+schedules at once.
 
 No peer owns a schedule: each worker of its queue wakes at the tick, and the watched
 transaction of `fire` lets exactly one of them submit it (the others find the tick
@@ -45,6 +46,7 @@ class Scheduler:
         self._due: dict[tuple[str, str], int] = {}  # (queue, name) -> next tick (server ms)
         self._loaded: dict[str, float] = {}  # queue -> monotonic time of its last read
         self._wake = anyio.Event()
+        self._late: dict[str, tuple[int, int, float]] = {}  # queue -> (ticks, most ms, since)
 
     def watch(self, queue: str) -> None:
         """Drive the schedules of ``queue`` from now on."""
@@ -89,9 +91,13 @@ class Scheduler:
             self._stale.discard(queue)
             await self._load(queue)
         now = self._clock.estimate_ms()
-        for (queue, name), due in list(self._due.items()):
-            if due <= now and self._due.get((queue, name)) == due:
-                await self._fire(queue, name)
+        due: dict[str, list[str]] = {}
+        for (queue, name), tick in self._due.items():
+            if tick <= now:
+                due.setdefault(queue, []).append(name)
+        async with anyio.create_task_group() as tg:  # queues at once: none waits for another
+            for queue, names in due.items():
+                tg.start_soon(self._fire, queue, names)
         if self._stale:  # queues watched while this round ran: load them now
             return
         now = self._clock.estimate_ms()
@@ -121,23 +127,49 @@ class Scheduler:
             since = counted_from(stored.state, 0)
             self._due[(queue, stored.name)] = stored.definition.next_after(since)
 
-    async def _fire(self, queue: str, name: str) -> None:
+    async def _fire(self, queue: str, names: list[str]) -> None:
+        """Fire a queue's due schedules together: one transaction for them all, so that
+        a pass costs the same few round trips however many are due."""
         try:
-            done = await _ops_schedules.fire(self._client, self._keys, queue, name)
-        except Exception as exc:  # one schedule's trouble must not stop the others
+            fired = await _ops_schedules.fire_due(self._client, self._keys, queue, names)
+        except Exception as exc:  # the queue's trouble must not stop the other queues
             if not isinstance(exc, CorruptDataError):
-                self._reach.failed(f"firing schedule {name!r} failed", exc, queue=queue)
-            self._due[(queue, name)] = self._clock.estimate_ms() + _RETRY_AFTER_MS
+                self._reach.failed("firing schedules failed", exc, queue=queue)
+            retry = self._clock.estimate_ms() + _RETRY_AFTER_MS
+            for name in names:
+                self._due[(queue, name)] = retry
             return
         self._reach.answered()
-        if done.skipped:
-            self._log.info(
-                "schedule %r skipped a tick: its previous run is still live",
-                name,
-                extra={"queue": queue},
-            )
-        if done.next_ms is None or queue not in self._queues:
-            self._due.pop((queue, name), None)
+        late: list[int] = []
+        for name, done in fired.items():
+            late += done.late_ms
+            if done.skipped:
+                self._log.info(
+                    "schedule %r skipped a tick: its previous run is still live",
+                    name,
+                    extra={"queue": queue},
+                )
+            if done.next_ms is None or queue not in self._queues:
+                self._due.pop((queue, name), None)
+                continue
+            # As the promoter does: the next tick as this peer's estimate will reach it.
+            self._due[(queue, name)] = self._clock.estimate_ms() + done.next_ms - done.now_ms
+        if late:
+            self._tell_late(queue, late)
+
+    def _tell_late(self, queue: str, late: list[int]) -> None:
+        """Log the ticks submitted late, at most once every `_RELOAD` seconds per queue
+        (summed meanwhile): a fleet that stays busy must not log at every pass."""
+        count, most, since = self._late.get(queue, (0, 0, -_RELOAD))
+        count, most = count + len(late), max(most, *late)
+        now = anyio.current_time()
+        if now - since < _RELOAD:
+            self._late[queue] = (count, most, since)
             return
-        # As the promoter does: the next tick as this peer's estimate will reach it.
-        self._due[(queue, name)] = self._clock.estimate_ms() + done.next_ms - done.now_ms
+        self._late[queue] = (0, 0, now)
+        self._log.warning(
+            "%d schedule tick(s) submitted late, up to %.3f s: the queue's workers are busy",
+            count,
+            most / 1000,
+            extra={"queue": queue},
+        )

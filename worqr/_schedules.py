@@ -26,7 +26,12 @@ MISFIRES = ("latest", "all", "skip")
 MAX_MISFIRED = 100
 """Ticks ``misfire="all"`` submits at most, the most recent ones."""
 MISFIRE_GRACE_MS = 1000
-"""A tick found more than this late counts as missed (``misfire="skip"`` drops it)."""
+"""A tick found more than this late is late (and, if missed, ``misfire="skip"`` drops it)."""
+MISSED_AFTER_MS = 10_000
+"""A tick more than this after a schedule's latest firing pass (``seen``) passed while no
+worker of its queue fired it: only such ticks are missed, and ``misfire`` applies to them."""
+MAX_DUE = 1000
+"""Ticks one firing pass handles at most, the most recent ones."""
 MAX_NAME = 100
 MIN_EVERY = 0.001
 MAX_EVERY = 366 * 86_400.0
@@ -57,6 +62,9 @@ class ScheduleInfo:
     """The job of the latest submitted tick."""
     priority: str = "normal"
     """The level its jobs wait at."""
+    late: int = 0
+    """Ticks submitted late (found more than `MISFIRE_GRACE_MS`, or the period if shorter,
+    after their time) because the workers of the queue were busy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +153,28 @@ class Definition:
                     found.append(tick)
         return found[::-1]
 
+    def due(self, state: dict[str, str], now_ms: int) -> tuple[list[int], int | None]:
+        """The ticks to submit now, oldest first, and the latest tick handled (None if
+        none is due), given the schedule's stored record.
+
+        Every tick due while a worker of the queue lived (no later than
+        `MISSED_AFTER_MS` after ``seen``, its latest firing pass) is submitted, however
+        late the fleet finds it; of the ticks that passed while none did, ``misfire``
+        keeps the latest, all (at most `MAX_MISFIRED`), or the latest if not late.
+        """
+        ticks = self.ticks(counted_from(state, now_ms), now_ms, MAX_DUE)
+        seen = state.get("seen", "")
+        alive_until = int(seen) + MISSED_AFTER_MS if seen.isdigit() else None
+        live = [t for t in ticks if alive_until is not None and t <= alive_until]
+        missed = ticks[len(live) :]
+        if self.misfire == "all":
+            kept = missed[-MAX_MISFIRED:]
+        elif self.misfire == "skip" and missed and now_ms - missed[-1] > self.grace_ms:
+            kept = []
+        else:
+            kept = missed[-1:]
+        return live + kept, (ticks[-1] if ticks else None)
+
     def next_after(self, ms: int) -> int:
         """The first tick after ``ms``."""
         if self.every_ms is not None:
@@ -155,7 +185,7 @@ class Definition:
     def info(self, name: str, queue: str, state: dict[str, str], now_ms: int) -> ScheduleInfo:
         """What a caller reads of this schedule, given its stored state."""
         last = state.get("last")
-        skipped = state.get("skipped", "0")
+        skipped, late = state.get("skipped", "0"), state.get("late", "0")
         return ScheduleInfo(
             name=name,
             queue=queue,
@@ -170,6 +200,7 @@ class Definition:
             skipped=int(skipped) if skipped.isdigit() else 0,
             last_job_id=state.get("job"),
             priority=str(self.options.get("priority", "normal")),
+            late=int(late) if late.isdigit() else 0,
         )
 
 

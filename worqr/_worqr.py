@@ -753,9 +753,11 @@ class Worqr:
         queue wakes first, as the job ``<name>@<tick time>`` (UTC ISO 8601, see
         `ScheduleInfo`). ``misfire`` says what happens to ticks that passed while no
         worker was alive: ``latest`` submits the most recent, ``all`` each (at most
-        100), ``skip`` none. With ``overlap=False`` a tick whose previous run is still
-        queued, delayed or running is skipped (and counted). Storing the same
-        definition again changes nothing; a new one counts ticks from now on.
+        100), ``skip`` none; a tick the busy workers reach late is still submitted
+        (counted in ``ScheduleInfo.late``). With ``overlap=False`` a tick whose
+        previous run is still queued, delayed or running is skipped (and counted).
+        Storing the same definition again changes nothing; a new one counts ticks from
+        now on.
         """
         check_name(name)
         check_queue(queue)
