@@ -1053,7 +1053,10 @@ class Worqr:
         """Withdraw a blocking take's id in the background, once its block is over for
         certain: at once when its reply was read (``over``), `_BLOCK_SECONDS` after
         the reply that began it (``armed_at``), else after `_UNKNOWN_ARM_WAIT` (the
-        write that would begin it may still be on its way)."""
+        write that would begin it may still be on its way). Only a withdrawal due
+        within a block's time holds this worker's normal takes back (`_withdrawing`):
+        an arm whose outcome is unknown (a fault: its connection failed, and a block
+        dies with its connection) must not stop the queue for a minute."""
         if over:
             wait = 0.0
         elif armed_at is not None:
@@ -1063,14 +1066,17 @@ class Worqr:
         if self._task_group is None or self._closed:
             self._taking.discard(pid)  # closing: peers reclaim it with the worker
             return
-        self._withdrawing[queue] += 1
-        self._task_group.start_soon(self._withdraw, queue, pid, wait)
+        held_back = armed_at is not None or over
+        if held_back:
+            self._withdrawing[queue] += 1
+        self._task_group.start_soon(self._withdraw, queue, pid, wait, held_back)
 
-    async def _withdraw(self, queue: str, pid: str, wait: float) -> None:
-        """`_give_up`'s withdrawal, ``wait`` seconds from now, counted in
-        `_withdrawing` by the caller: until it is over this worker takes nothing from
-        the normal level of the queue, so that the task it may send back to the front
-        is not overtaken; then a look (a bare ``work``) lets the consumers take it."""
+    async def _withdraw(self, queue: str, pid: str, wait: float, held_back: bool = True) -> None:
+        """`_give_up`'s withdrawal, ``wait`` seconds from now. ``held_back``: counted
+        in `_withdrawing` by the caller, so that until it is over this worker takes
+        nothing from the normal level of the queue (the task it may send back to the
+        front is not overtaken); then a look (a bare ``work``) lets the consumers take
+        it."""
         try:
             await anyio.sleep(wait)
             await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
@@ -1079,8 +1085,9 @@ class Worqr:
             self._reach.failed("could not give up a blocking take", exc, queue=queue)
         finally:
             self._taking.discard(pid)
-            self._withdrawing[queue] -= 1
-            if not self._withdrawing[queue]:
+            if held_back:
+                self._withdrawing[queue] -= 1
+            if held_back and not self._withdrawing[queue]:
                 del self._withdrawing[queue]
                 self._events.poke(queue, "work", "")
 
