@@ -26,9 +26,9 @@ import asyncio
 import contextlib
 import contextvars
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import anyio
 from redis._parsers import Encoder
@@ -66,9 +66,23 @@ _MOVED = (MovedError, AskError, TryAgainError, ClusterDownError, SlotNotCoveredE
 (or, for a while, nowhere): a transaction that got one aborted as a whole."""
 
 
-class Unreachable(RedisConnectionError):
-    """A Cluster node refused the connection: nothing was sent, so a retry elsewhere
-    is safe whatever the command was."""
+class NotApplied(RedisConnectionError):
+    """A connection failed before anything that writes was sent: the connect was
+    refused, or the connection was lost on a WATCH or a read before MULTI. Nothing was
+    applied, so `on_slot` may run the operation again, wherever its slot is served
+    then."""
+
+
+class Unreachable(NotApplied):
+    """A Cluster node refused the connection: nothing was sent."""
+
+
+def unsent(lost: RedisConnectionError) -> NoReturn:
+    """Raise a connection error met before anything that writes was sent as
+    `NotApplied` (a pool that had no connection to give stays what it is)."""
+    if isinstance(lost, NotApplied | MaxConnectionsError):
+        raise lost
+    raise NotApplied(f"connection lost before anything was written: {lost}") from lost
 
 
 # -- pools that wait ----------------------------------------------------------------------
@@ -563,6 +577,9 @@ class _NodePool(_Borrowed):
         connection = self._node.acquire_connection()
         try:
             await connection.connect()
+            if await _dropped(connection):  # closed while idle: its server died, say
+                await connection.disconnect()
+                await connection.connect()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 try:
@@ -584,6 +601,22 @@ class _NodePool(_Borrowed):
                 await self._node.disconnect_if_needed(own)
         finally:
             self._node.release(own)
+
+
+async def _dropped(connection: AbstractConnection) -> bool:
+    """Whether an idle ``connection`` was closed by its server (or holds bytes nobody
+    will read): what redis-py's own pools check before they lend a connection, and its
+    Cluster nodes do not. A primary killed in a failover leaves its clients' idle
+    connections so; found here, before anything is sent on them, they are opened
+    anew, and the refused connect (`Unreachable`) is re-routed, where a command sent
+    on them would have met a closed connection with its outcome unknown."""
+    try:
+        if await connection.can_read():
+            return True
+    except (RedisConnectionError, OSError):
+        return True
+    reader = getattr(connection, "_reader", None)  # reset by the server: no EOF, an error
+    return isinstance(reader, asyncio.StreamReader) and reader.exception() is not None
 
 
 class _Routes:
@@ -640,9 +673,12 @@ async def on_slot(client: Client, key: str, run: Callable[[Redis], Awaitable[_T]
     gate). When the slot moved (MOVED), is migrating to another primary (ASK,
     TRYAGAIN), is failing over, or its primary refuses connections, Redis refused the
     command, or the whole MULTI/EXEC: the slot map is re-read and ``run`` tried again
-    from its start, a few times within about half a second. So ``run`` must be a
+    from its start, a few times within about half a second. So it is when ``run``
+    lost its connection before it sent anything that writes (`NotApplied`: a WATCH
+    or a read before MULTI), and when the connection it was lent had been closed
+    while idle (its primary was killed: see `_dropped`). So ``run`` must be a
     transaction, or commands harmless to repeat (a pipeline without MULTI applies the
-    commands before a refused one). A connection lost once a command was sent is not
+    commands before a refused one). A connection lost once a write was sent is not
     retried here: the outcome is unknown, and the caller settles it (or raises it as
     `BackendUnavailableError`).
 
@@ -667,13 +703,113 @@ async def on_slot(client: Client, key: str, run: Callable[[Redis], Awaitable[_T]
                 raise ClusterDownError(f"no primary serves the slot of {key}")
             async with _admission(client):
                 return await run(routes.client(node))
-        except (*_MOVED, Unreachable):
+        except (*_MOVED, NotApplied):
             if attempt == _REROUTES - 1:
                 raise
         await anyio.sleep(pause)
         pause *= 2
         await routes.refresh(client, seen)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def on_nodes(
+    cluster: RedisCluster,
+    keys: Sequence[str],
+    run: Callable[[Redis, list[int]], Awaitable[list[Any]]],
+    *,
+    resend: bool,
+) -> list[Any]:
+    """One reply per command of a batch whose i-th command touches ``keys[i]``: ``run(
+    node, indexes)`` sends the commands of ``indexes`` to ``node``, a client of the
+    primary that serves their slots (its own connections, as in `on_slot`), in one
+    round trip without MULTI, and returns their replies in order, errors in place. The
+    nodes are sent to at once, as one admitted operation.
+
+    Commands Redis refused (a redirection in place of a reply; a node that refuses
+    connections, or whose slots are failing over) run again after the slot map is
+    re-read, a few times within about half a second, as in `on_slot`; with
+    ``resend`` (commands without side effects) so do those of a node whose connection
+    was lost on the way. Otherwise such a loss is raised: the outcome is unknown.
+    redis-py's Cluster pipeline, which this replaces, leaves a lost connection in
+    place of the replies, and closes every connection of the client (those of other
+    operations in flight too) before its own retries.
+    """
+    await cluster.initialize()
+    routes = _routes_of(cluster)
+    replies: list[Any] = [None] * len(keys)
+    todo = list(range(len(keys)))
+    pause = _REROUTE_PAUSE
+    async with _admission(cluster):
+        for attempt in range(_REROUTES):
+            seen = routes.generation
+            groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+            refused: list[int] = []
+            last: Exception | None = None
+            for index in todo:
+                node = None
+                with contextlib.suppress(SlotNotCoveredError):
+                    node = cluster.get_node_from_key(keys[index])
+                if node is None:
+                    refused.append(index)
+                    last = ClusterDownError(f"no primary serves the slot of {keys[index]}")
+                    continue
+                groups.setdefault(node.name, (node, []))[1].append(index)
+            outcomes = await _each_node(routes, run, groups)
+            for name, (_, indexes) in groups.items():
+                outcome = outcomes[name]
+                if isinstance(outcome, Exception):
+                    if not _refused(outcome, resend):
+                        raise outcome
+                    refused += indexes
+                    last = outcome
+                    continue
+                for index, reply in zip(indexes, outcome, strict=True):
+                    if isinstance(reply, _MOVED):
+                        refused.append(index)
+                        last = reply
+                    else:
+                        replies[index] = reply
+            if last is None:
+                return replies
+            if attempt == _REROUTES - 1:
+                raise last
+            todo = sorted(refused)
+            await anyio.sleep(pause)
+            pause *= 2
+            await routes.refresh(cluster, seen)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _each_node(
+    routes: _Routes,
+    run: Callable[[Redis, list[int]], Awaitable[list[Any]]],
+    groups: dict[str, tuple[ClusterNode, list[int]]],
+) -> dict[str, list[Any] | Exception]:
+    """`on_nodes`' round trips (``groups``: per node name, the node and its commands'
+    indexes), at once: per node name, its replies or the error that ended it."""
+    outcomes: dict[str, list[Any] | Exception] = {}
+
+    async def send(node: ClusterNode, indexes: list[int]) -> None:
+        try:
+            outcomes[node.name] = await run(routes.client(node), indexes)
+        except Exception as exc:  # settled by the caller, with the other nodes' replies
+            outcomes[node.name] = exc
+
+    async with anyio.create_task_group() as tg:
+        for node, indexes in groups.values():
+            tg.start_soon(send, node, indexes)
+    return outcomes
+
+
+def _refused(error: Exception, resend: bool) -> bool:
+    """Whether a node's whole round trip may be sent again: Redis refused it, or
+    nothing of it was applied, or (``resend``) it is harmless to repeat and its
+    connection was lost (a timeout is not: a node that stopped answering would be
+    waited for again)."""
+    if isinstance(error, (*_MOVED, NotApplied)):
+        return True
+    lost = isinstance(error, RedisConnectionError) and not isinstance(error, MaxConnectionsError)
+    return resend and lost
 
 
 async def subscriber_pool(

@@ -27,7 +27,7 @@ from redis.exceptions import MaxConnectionsError, RedisError, ResponseError, Wat
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._connections import Client as Client
-from ._connections import Pinned, on_slot, pinned
+from ._connections import NotApplied, Pinned, on_nodes, on_slot, pinned, unsent
 from ._deps import dependencies_of
 from ._envelope import Envelope, Header, unwrap, wrap
 from ._errors import (
@@ -95,13 +95,35 @@ def _unless_wrong(replies: list[Any]) -> list[Any]:
 
 async def reads(r: Client, commands: Sequence[Command]) -> list[Any]:
     """Send commands in one round trip, without MULTI; their replies in order, a
-    wrong-typed key's WRONGTYPE error in its place (so one bad key spoils nothing else)."""
+    wrong-typed key's WRONGTYPE error in its place (so one bad key spoils nothing else).
+
+    On a Cluster, one round trip per node, the nodes at once (`on_nodes`): commands
+    Redis refused are sent again where their slots are served now, and so, when every
+    command is a read (`_READS`), are those whose connection was lost, as after a
+    failover. Others (idempotent writes beside reads) are not resent after a lost
+    connection: whether they were applied is unknown."""
     if not commands:
         return []
-    async with r.pipeline(transaction=False) as pipe:
-        for command in commands:
-            pipe.execute_command(*command)
-        return _unless_wrong(await pipe.execute(raise_on_error=False))
+    if isinstance(r, Redis):
+        return await _pipelined(r, commands)
+
+    async def run(node: Redis, indexes: list[int]) -> list[Any]:
+        return await _sent(node, [commands[index] for index in indexes])
+
+    resend = all(str(command[0]).upper() in _READS for command in commands)
+    keys = [str(command[1]) for command in commands]
+    return _unless_wrong(await on_nodes(r, keys, run, resend=resend))
+
+
+_READS = frozenset(
+    {
+        "EXISTS", "GET", "HGET", "HGETALL", "HMGET", "LINDEX", "LLEN", "LPOS", "LRANGE",
+        "PTTL", "SCARD", "SISMEMBER", "SMEMBERS", "SMISMEMBER", "SRANDMEMBER", "TYPE",
+        "ZCARD", "ZMSCORE", "ZRANGE", "ZSCORE",
+    }
+)  # fmt: skip
+"""Commands that only read, the ones worqr sends in `reads`: resent after a lost
+connection on a Cluster."""
 
 
 async def reads_checked(r: Client, commands: Sequence[Command]) -> list[Any]:
@@ -249,11 +271,18 @@ async def call(client: Client | Pipeline, *args: str | int | float) -> Any:
 
 
 async def _pipelined(client: Redis, commands: Iterable[Command]) -> list[Any]:
-    """Send commands in one round trip, without MULTI; their replies in order."""
+    """Send commands in one round trip, without MULTI; their replies in order, a
+    WRONGTYPE error in place (any other error raised)."""
+    return _unless_wrong(await _sent(client, commands))
+
+
+async def _sent(client: Redis, commands: Iterable[Command]) -> list[Any]:
+    """Send commands in one round trip, without MULTI; their replies in order, every
+    error reply in its place."""
     async with client.pipeline(transaction=False) as pipe:
         for command in commands:
             pipe.execute_command(*command)
-        return _unless_wrong(await pipe.execute(raise_on_error=False))
+        return await pipe.execute(raise_on_error=False)
 
 
 async def _in_order(r: Client, groups: Sequence[tuple[str, Sequence[Command]]]) -> list[Any]:
@@ -286,8 +315,8 @@ async def _atomic(once: Client, key: str, commands: Sequence[Command]) -> list[A
 
     try:
         return await on_slot(once, key, _transaction(commands))
-    except MaxConnectionsError:
-        raise  # no connection, nothing sent
+    except (MaxConnectionsError, NotApplied):
+        raise  # nothing sent, or nothing applied
     except (RedisConnectionError, RedisTimeoutError) as exc:
         raise _unknown_outcome() from exc
 
@@ -318,8 +347,10 @@ async def _optimistic(
     of the keys whose failure could lose a task before it writes).
     The body is re-run when a watched key changed before EXEC. Contention is bounded:
     after many conflicts in a row the operation gives up with a `BackendError`. A
-    connection lost while watching (redis-py reports it as a WatchError rather than
-    resending) is not re-run: the outcome is unknown, so `BackendUnavailableError`.
+    connection lost before EXEC was sent (on the WATCH or the body's reads) applied
+    nothing: `NotApplied`, which `on_slot` runs again on a Cluster. One lost with the
+    MULTI/EXEC on its way (redis-py reports it as a WatchError rather than resending)
+    is not re-run: the outcome is unknown, so `BackendUnavailableError`.
     """
 
     async def attempts(node: Redis) -> tuple[_T, list[Any]]:
@@ -329,15 +360,23 @@ async def _optimistic(
                     if watch:
                         await pipe.watch(*watch)
                     result = await body(pipe)
-                    if not pipe.explicit_transaction:
-                        await pipe.reset()
-                        return result, []
-                    try:
-                        return result, _unless_wrong(await pipe.execute(raise_on_error=False))
-                    except MaxConnectionsError:
-                        raise  # no connection, nothing sent
-                    except (RedisConnectionError, RedisTimeoutError) as exc:
+                except RedisConnectionError as exc:  # on the WATCH, or a read beside it
+                    unsent(exc)
+                except WatchError as exc:  # lost while watching, before MULTI
+                    if isinstance(exc.__context__, RedisConnectionError):
+                        unsent(exc.__context__)
+                    if isinstance(exc.__context__, RedisTimeoutError):
                         raise _unknown_outcome() from exc
+                    continue
+                if not pipe.explicit_transaction:
+                    await pipe.reset()
+                    return result, []
+                try:
+                    return result, _unless_wrong(await pipe.execute(raise_on_error=False))
+                except MaxConnectionsError:
+                    raise  # no connection, nothing sent
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    raise _unknown_outcome() from exc
                 except WatchError as exc:
                     if isinstance(exc.__context__, RedisConnectionError | RedisTimeoutError):
                         raise _unknown_outcome() from exc
@@ -1055,8 +1094,8 @@ async def submit(
             writes(pipe)
             try:
                 return _unless_wrong(await pipe.execute(raise_on_error=False))
-            except MaxConnectionsError:
-                raise  # no connection, nothing sent
+            except (MaxConnectionsError, NotApplied):
+                raise  # nothing sent (a refused connect is re-routed by on_slot)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 raise _unknown_outcome() from exc
 
@@ -1565,8 +1604,8 @@ async def dequeue(
             replies = await on_slot(once, keys.tasks(queue), _transaction(take(ids)))
             tasks, recorded, flow_reply = replies[:k], replies[k], replies[k + 2]
             break
-        except MaxConnectionsError:
-            raise  # no connection, nothing sent
+        except (MaxConnectionsError, NotApplied):
+            raise  # nothing sent, or nothing applied
         except (RedisConnectionError, RedisTimeoutError):
             lookups: list[Command] = [("LINDEX", keys.process(queue, pid), 0) for pid in ids]
             tasks = await reads(once, lookups)

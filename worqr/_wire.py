@@ -45,6 +45,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._connections import unsent
+
 Arg = str | bytes | int | float
 Wire = tuple[Arg, ...]
 
@@ -433,7 +435,8 @@ class Watching:
         ``reads`` in the same round trip, covered by the WATCH; their raw replies,
         errors in place. The first look is resent as the client's retry policy says
         (nothing is watched or written yet); a later one is not, since a new
-        connection would have lost the earlier WATCH."""
+        connection would have lost the earlier WATCH. A look writes nothing: a
+        connection lost on it is `NotApplied`."""
         commands: list[Wire] = [("WATCH", *watch), *reads] if watch else list(reads)
 
         async def attempt() -> list[Any]:
@@ -442,10 +445,13 @@ class Watching:
         async def dropped(error: Exception) -> None:
             await self.connection.disconnect()
 
-        if self.open:
-            replies = await attempt()
-        else:
-            replies = await self.connection.retry.call_with_retry(attempt, dropped)
+        try:
+            if self.open:
+                replies = await attempt()
+            else:
+                replies = await self.connection.retry.call_with_retry(attempt, dropped)
+        except RedisConnectionError as exc:
+            unsent(exc)
         self.open = self.open or bool(watch)
         if watch:
             if isinstance(replies[0], ResponseError):
