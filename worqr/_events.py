@@ -53,6 +53,8 @@ from ._models import Listener
 from ._ops import text
 from ._reach import Reach
 
+_RANDOM = random.Random()  # not the module's generator, which the application owns
+
 CHANNEL_EVENTS = frozenset(
     {"work", "cancel", "delete", "done", "delayed", "schedule", "flow", "released"}
 )
@@ -117,7 +119,7 @@ class Events:
         self._log = log
         self._reach = reach
         self._client = client
-        self._spread = random.randrange(1 << 16)  # which Cluster node to start on
+        self._spread = _RANDOM.randrange(1 << 16)  # which Cluster node to start on
         self._pool: ConnectionPool | None = None  # the subscriber's own connections
         self._keys = keys
         self._channels = f"{keys.prefix}:q:{{"  # how every channel of ours begins

@@ -14,6 +14,8 @@ from ._envelope import MAX_SECONDS, MAX_UNIX_MS, Envelope, Header, new_job_id, w
 from ._errors import WorqrError
 from ._levels import check_priority
 
+_RANDOM = random.Random()  # not the module's generator, which the application owns
+
 if TYPE_CHECKING:
     from ._worqr import Worqr
 
@@ -50,7 +52,7 @@ class Backoff:
         except OverflowError:
             base = math.inf
         d = min(self.maximum, base)
-        return random.uniform(d / 2, d) if self.jitter else d
+        return _RANDOM.uniform(d / 2, d) if self.jitter else d
 
     @classmethod
     def of(cls, value: object) -> Backoff:

@@ -23,6 +23,8 @@ from ._log import PeerLog
 from ._ops import Client
 from ._reach import Reach
 
+_RANDOM = random.Random()  # not the module's generator, which the application owns
+
 
 class Host(Protocol):
     """What the loops need from the `Worqr` that runs them."""
@@ -176,7 +178,7 @@ class Supervisor:
         host, keys = self._host, self._keys
         lease_ms = max(1, round(self._cleanup_interval * 850))
         while True:
-            await anyio.sleep(self._cleanup_interval * random.uniform(0.9, 1.0))
+            await anyio.sleep(self._cleanup_interval * _RANDOM.uniform(0.9, 1.0))
             if host._leases_lost():
                 continue
             try:
