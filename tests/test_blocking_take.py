@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worqr import Process, Worqr, _ops, _ops_block
+from worqr import Process, Worqr, _ops, _ops_block, _wire
 from worqr._keys import Keys
 from worqr._names import new_process_id
 from worqr.testing import EmbeddedServer
@@ -441,3 +442,45 @@ async def test_strict_order_holds_whatever_the_take_moves(
             assert ran[-4:] == expected, f"round {round_}"
         tg.cancel_scope.cancel()
     await eventually(lambda: _no_process_left(real_client, prefix))
+
+
+async def test_a_task_moved_by_a_block_whose_arm_reply_was_lost_runs_at_once(
+    real_make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arm's transaction and block ran on the server and moved a task at once,
+    then the connection failed before its replies were read (a kill, a lost reply):
+    the outcome is unknown to the worker, but the task moved goes back and runs
+    before a task pushed later, not a minute later (the late withdrawal stays for a
+    block still alive on the server)."""
+    worker, producer = real_make(), real_make()
+    replies = _wire.replies
+    lost: list[object] = []
+    armed, both = anyio.Event(), anyio.Event()
+
+    async def losing(connection: object, count: int, limit: float | None) -> object:
+        if count == 5 and not lost:  # the arm's replies
+            lost.append(await replies(connection, count, limit))  # type: ignore[arg-type]
+            await producer.enqueue("q", "first")  # the block moves it at once
+            await anyio.sleep(0.1)
+            await connection.disconnect(nowait=True)  # type: ignore[attr-defined]
+            armed.set()
+            raise RedisConnectionError("connection lost before the replies were read")
+        return await replies(connection, count, limit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ops_block, "replies", losing)
+    ran: list[str] = []
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+        if len(ran) == 2:
+            both.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.consume, "q", handler)
+        with anyio.fail_after(10):
+            await armed.wait()
+            await anyio.sleep(0.3)
+            await producer.enqueue("q", "second")
+            await both.wait()
+        tg.cancel_scope.cancel()
+    assert ran == ["first", "second"]

@@ -1069,7 +1069,19 @@ class Worqr:
         held_back = armed_at is not None or over
         if held_back:
             self._withdrawing[queue] += 1
+        else:  # what a block that ran before its connection failed moved goes back now,
+            # not in a minute (a lost reply, a kill): the late withdrawal below catches
+            # what a block still alive on the server moves after this one
+            self._task_group.start_soon(self._withdraw_now, queue, pid)
         self._task_group.start_soon(self._withdraw, queue, pid, wait, held_back)
+
+    async def _withdraw_now(self, queue: str, pid: str) -> None:
+        """`_give_up`'s first withdrawal of a take whose arm's outcome is unknown: its
+        id stays in flight (`_taking`) for the late one."""
+        try:
+            await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
+        except BackendError as exc:  # the late withdrawal tries again
+            self._reach.failed("could not give up a blocking take", exc, queue=queue)
 
     async def _withdraw(self, queue: str, pid: str, wait: float, held_back: bool = True) -> None:
         """`_give_up`'s withdrawal, ``wait`` seconds from now. ``held_back``: counted
