@@ -286,3 +286,28 @@ async def test_ticks_run_once_through_a_slow_link(redis_url: str, proxy: Latency
             await peer.close()
         for client in clients:
             await client.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="breaker, issue 31: `seen` is written only by a pass that fires, so a tick of a"
+    " schedule whose period is over MISSED_AFTER_MS always counts as missed",
+)
+@pytest.mark.parametrize("late_ms", [1500, 5000])
+def test_a_late_tick_of_a_long_period_schedule_whose_workers_live_is_submitted(
+    late_ms: int,
+) -> None:
+    """every=60, misfire="skip": the previous tick was fired on time (``seen`` just
+    after it), the workers live on; the next tick is reached ``late_ms`` late because
+    they are busy. It passed while a worker lived: misfire must not apply, the tick is
+    submitted (and counted late), not dropped unseen."""
+    from worqr._schedules import Definition
+
+    schedule = Definition(
+        payload="p", cron=None, every_ms=60_000, timezone="UTC", misfire="skip",
+        overlap=True, options={},
+    )  # fmt: skip
+    previous = 1_700_000_040_000
+    state = {"since": str(previous - 600_000), "last": str(previous), "seen": str(previous + 20)}
+    tick = previous + 60_000
+    assert schedule.due(state, tick + late_ms) == ([tick], tick)
