@@ -380,8 +380,9 @@ async def test_a_half_set_migration_stalls_a_worker_that_then_goes_on(
     """A slot MIGRATING on its owner with no IMPORTING side (a reshard cut off between
     its two SETSLOTs) bounces every command on an absent key between the two nodes
     until the client gives up (redis-py's "TTL exhausted", or worqr's own reads'
-    "rehashing" or ASK), which a read reports in the command's place. A worker's dequeue reads of absent level lists met that reply and
-    the consumer died of a TypeError; it must wait and go on once the slot is fixed."""
+    "rehashing" or ASK), which a read reports in the command's place. A worker's
+    dequeue reads of absent level lists met that reply and the consumer died of a
+    TypeError; it must wait and go on once the slot is fixed."""
     queue = f"h{uuid.uuid4().hex[:8]}"
     slot = key_slot(queue.encode())
     source_port = await _owner(cluster, slot)

@@ -288,11 +288,6 @@ async def test_ticks_run_once_through_a_slow_link(redis_url: str, proxy: Latency
             await client.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="breaker, issue 31: `seen` is written only by a pass that fires, so a tick of a"
-    " schedule whose period is over MISSED_AFTER_MS always counts as missed",
-)
 @pytest.mark.parametrize("late_ms", [1500, 5000])
 def test_a_late_tick_of_a_long_period_schedule_whose_workers_live_is_submitted(
     late_ms: int,

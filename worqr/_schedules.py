@@ -157,14 +157,16 @@ class Definition:
         """The ticks to submit now, oldest first, and the latest tick handled (None if
         none is due), given the schedule's stored record.
 
-        Every tick due while a worker of the queue lived (no later than
-        `MISSED_AFTER_MS` after ``seen``, its latest firing pass) is submitted, however
-        late the fleet finds it; of the ticks that passed while none did, ``misfire``
-        keeps the latest, all (at most `MAX_MISFIRED`), or the latest if not late.
+        Every tick due while a worker of the queue lived is submitted, however late the
+        fleet finds it: a tick no later than `MISSED_AFTER_MS` after the first tick that
+        followed ``seen``, its latest firing pass (``last``, its latest tick, in a record
+        no pass of this version fired), whatever the period. Of the ticks that passed
+        while none did, ``misfire`` keeps the latest, all (at most `MAX_MISFIRED`), or
+        the latest if not late.
         """
         ticks = self.ticks(counted_from(state, now_ms), now_ms, MAX_DUE)
-        seen = state.get("seen", "")
-        alive_until = int(seen) + MISSED_AFTER_MS if seen.isdigit() else None
+        fired = next((int(state[f]) for f in ("seen", "last") if state.get(f, "").isdigit()), None)
+        alive_until = None if fired is None else self.next_after(fired) + MISSED_AFTER_MS
         live = [t for t in ticks if alive_until is not None and t <= alive_until]
         missed = ticks[len(live) :]
         if self.misfire == "all":
