@@ -38,16 +38,18 @@ async def test_each_entry_has_an_id_that_retries_or_drops_just_it(make: Factory)
     ids = [entry.id for entry in entries]
     assert all(re.fullmatch(r"[0-9a-f]{16}", i) for i in ids) and len(set(ids)) == 4
     assert [entry.id for entry in await worqr.get_failed("q")] == ids  # stable
+    tasks = [entry.task for entry in entries]  # in the order their ends were written
+    assert sorted(tasks) == ["a", "b", "c", "d"]
     assert await worqr.retry_failed("q", only=ids[2]) == 1
-    assert await worqr.get_tasks("q") == ["c"]
+    assert await worqr.get_tasks("q") == [tasks[2]]
     assert await worqr.retry_failed("q", only=ids[2]) == 0  # gone from the list
     assert await worqr.drop_failed("q", ids[1]) is True
     assert await worqr.drop_failed("q", ids[1]) is False
-    assert [entry.task for entry in await worqr.get_failed("q")] == ["a", "d"]
+    assert [entry.task for entry in await worqr.get_failed("q")] == [tasks[0], tasks[3]]
     assert await worqr.clear_failed("q") == 2
     assert await worqr.clear_failed("q") == 0
     assert await worqr.get_failed("q") == []
-    assert await worqr.get_tasks("q") == ["c"]
+    assert await worqr.get_tasks("q") == [tasks[2]]
     assert (await worqr.check()).ok
 
 

@@ -60,10 +60,12 @@ class Reach:
             self._log.warning("Redis unreachable (%s): %s", what, reason, extra=extra)
 
     def answered(self) -> None:
-        """A call succeeded: the end of an outage, if one was under way."""
-        if not self._failures:
-            return
+        """A call succeeded: the end of an outage, if one was under way for `_SETTLE`
+        seconds at least (a reply on its way as the outage began, read after its first
+        failure, does not end it)."""
         now = time.monotonic()
+        if not self._failures or now - self._since < _SETTLE:
+            return
         self._log.log(
             logging.WARNING if self._warned else logging.DEBUG,
             "Redis reachable again after %d failed call(s) over %.1f s",
