@@ -362,7 +362,8 @@ SETTINGS = """\
 - Live submits: one worker process at concurrency {live_concurrency} (the library's
   normal worker, as above) while the producer submits {live_rate:,} delayed jobs a
   second for {live_seconds:g} s, one submit call per job, each started on its slot
-  without waiting for the ones before it (as a web app's requests overlap); job k is
+  without waiting for the ones before it (as a web app's requests overlap; at most
+  50 in flight, a producer that falls behind catching up); job k is
   due a delay after its call starts, drawn uniformly from {low:g}-{high:g} s (the same
   draws for every library), so promotions run while submits keep writing the delayed
   set. Lateness as above, over every job.

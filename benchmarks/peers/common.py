@@ -44,7 +44,8 @@ The job workloads (benchmarks/jobs.py) add four modes and two ``worker`` flags:
 ``live --n N --rate R --delay-min A --delay-max B``
     Submit N delayed jobs while a worker runs them (`live`): R a second on a fixed
     schedule, each call started at its slot without waiting for the calls before it
-    (as the requests of a web app overlap), or with R = 0 back to back, each call
+    (as the requests of a web app overlap; at most `LIVE_IN_FLIGHT` at once, a late
+    schedule catching up), or with R = 0 back to back, each call
     awaited before the next. Job k is due a delay after the moment its call starts,
     drawn uniformly from [A, B] seconds (the same draws for every library), in whole
     milliseconds, given to the library's own delay option; its payload is
@@ -115,6 +116,9 @@ MODES = [
 ]
 LIVE_SEED = 31
 """Seed of the ``live`` mode's delays, so that every library gets the same ones."""
+LIVE_IN_FLIGHT = 50
+"""Submit calls of the ``live`` mode in flight at most: a stalled machine makes the
+producer fall behind (and catch up) rather than pile up calls past a client's pool."""
 CLOCK_OFFSET_ENV = "BENCH_CLOCK_OFFSET_MS"
 """Milliseconds a ``cron`` process adds to its wall clock (`skew_clock`)."""
 _true_time = time.time
@@ -373,21 +377,31 @@ async def live(
     submit: Callable[[int, int], Coroutine[Any, Any, Any]],
 ) -> None:
     """The ``live`` mode: ``submit(k, due)`` submits job k, due at ``due`` (Unix ms);
-    ``rate`` calls a second, each a task of its own (0: back to back, each awaited).
-    Prints the mode's output line."""
+    ``rate`` calls a second, each a task of its own, at most `LIVE_IN_FLIGHT` at once
+    (0: back to back, each awaited). Prints the mode's output line."""
     draws = random.Random(LIVE_SEED)
     delays = [draws.uniform(low, high) for _ in range(n)]
     dues: list[int] = []
     running: list[asyncio.Task[Any]] = []
     schedule = Schedule(1 / rate) if rate > 0 else None
+    slots = asyncio.Semaphore(LIVE_IN_FLIGHT)
+
+    async def bounded(k: int, due: int) -> None:
+        try:
+            await submit(k, due)
+        finally:
+            slots.release()
+
     begun = last = time.time()
     for k in range(n):
+        if schedule is not None:
+            await slots.acquire()
         last = time.time()
         dues.append(round((last + delays[k]) * 1000))
         if schedule is None:
             await submit(k, dues[k])
             continue
-        running.append(asyncio.create_task(submit(k, dues[k])))
+        running.append(asyncio.create_task(bounded(k, dues[k])))
         await schedule.next()
     await asyncio.gather(*running)
     emit(
