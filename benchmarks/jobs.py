@@ -4,8 +4,8 @@
 (``python3 dev.py bench-jobs``)
 
 It works as benchmarks/suite.py does, with its venvs, adapters and medians, through
-three workloads (the adapters' ``schedule``, ``roundtrip`` and ``retry`` modes, see
-benchmarks/peers/common.py):
+these workloads (the adapters' ``schedule``, ``live``, ``roundtrip`` and ``retry``
+modes, see benchmarks/peers/common.py):
 
 - promotion lateness of delayed jobs: an idle fleet of `FLEET` worker processes; a
   producer fills the delayed set beforehand with jobs due at a steady rate (10, 1,000
@@ -13,6 +13,11 @@ benchmarks/peers/common.py):
   Every process runs on this host, so one clock serves the producer, the workers and
   the Redis server (worqr judges due times by the server's ``TIME``; the run records
   how far that is from this host's clock);
+- lateness under live submits: one worker process at concurrency `LIVE_CONCURRENCY`
+  while a producer submits `LIVE_RATE` jobs a second, each due a delay drawn from
+  `LIVE_DELAYS` after its submit, so that promotions race the submits (the case of an
+  application that submits as it runs); and the same race on an idle worker: `Sizes.idle`
+  jobs submitted back to back, each due `IDLE_DELAY` after its submit;
 - result round trip: submit one job, wait for its result with the library's own call,
   then the next, against an idle worker that returns the payload;
 - retry throughput: jobs allowed 3 attempts with no delay between them, a handler
@@ -57,6 +62,14 @@ TARGET_MS = 10.0
 """Issue 12's target: p99 lateness of a delayed job on an idle fleet."""
 IDLE_RATE = 1000
 """The highest rate (delayed jobs a second) at which the fleet counts as idle."""
+LIVE_CONCURRENCY = 50
+"""The concurrency of the one worker process of the live-submit workloads."""
+LIVE_RATE = 1000
+"""Delayed jobs a second the live producer submits."""
+LIVE_DELAYS = (0.2, 3.0)
+"""Seconds from a live submit to its job's due time: drawn uniformly in this range."""
+IDLE_DELAY = 0.2
+"""Seconds from each back-to-back submit to its job's due time."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +80,12 @@ class Sizes:
     rates: tuple[tuple[int, int], ...]  # (delayed jobs due a second, jobs)
     round_trips: int
     retry: int
+    live_seconds: float  # how long the live producer submits
+    idle: int  # jobs submitted back to back to an idle worker
 
 
-QUICK = Sizes(1, ((10, 20), (1000, 500), (10000, 2000)), 10, 300)
-FULL = Sizes(3, ((10, 60), (1000, 3000), (10000, 10000)), 40, 2000)
+QUICK = Sizes(1, ((10, 20), (1000, 500), (10000, 2000)), 10, 300, 3.0, 300)
+FULL = Sizes(3, ((10, 60), (1000, 3000), (10000, 10000)), 40, 2000, 15.0, 300)
 
 WAITS = {
     "worqr": (
@@ -110,6 +125,12 @@ def figures(sizes: Sizes) -> list[tuple[str, str, bool]]:
             rows.append(
                 (f"late_{rate}_{stat}_ms", f"Lateness {stat}, {rate:,} delayed/s (ms)", False)
             )
+    for key, title in (
+        ("live", f"live submits, {LIVE_RATE:,}/s"),
+        ("idle", f"{sizes.idle} back to back, idle"),
+    ):
+        for stat in ("p50", "p99", "max"):
+            rows.append((f"{key}_{stat}_ms", f"Lateness {stat}, {title} (ms)", False))
     rows += [
         ("roundtrip_p50_ms", "Result round trip p50 (ms)", False),
         ("roundtrip_p99_ms", "Result round trip p99 (ms)", False),
@@ -148,20 +169,61 @@ def lateness(adapter: Adapter, redis: Redis, rate: int, n: int, results: Results
         while sum(len(lines.starts) for lines in fleet) < n and time.time() < deadline:
             time.sleep(0.05)
     starts = [start for lines in fleet for start in lines.starts]
+    record(results, lib, f"late_{rate}", f"{rate}/s", starts, n)
+    return True
+
+
+def record(
+    results: Results, lib: str, key: str, label: str, starts: list[tuple[str, float]], n: int
+) -> None:
+    """The lateness figures ``<key>_p50_ms``... of ``n`` delayed jobs from their start
+    lines (payload ``<due ms>:<index>``), with notes on jobs missing or run twice."""
     indices = {payload.split(":")[1] for payload, _ in starts}
     if len(indices) < n:
-        results.note(lib, f"{rate}/s: {len(indices)} of {n} delayed jobs started")
+        results.note(lib, f"{label}: {len(indices)} of {n} delayed jobs started")
     if len(starts) > len(indices):
-        results.note(lib, f"{rate}/s: {len(starts) - len(indices)} delayed jobs started twice")
+        results.note(lib, f"{label}: {len(starts) - len(indices)} delayed jobs started twice")
     late = sorted(1000 * started - int(payload.split(":")[0]) for payload, started in starts)
     if late:
         if late[0] < -1:
-            results.note(lib, f"{rate}/s: a job started {-late[0]:.1f} ms before its due time")
-        results.add(lib, f"late_{rate}_p50_ms", percentile(late, 0.5))
-        results.add(lib, f"late_{rate}_p99_ms", percentile(late, 0.99))
-        results.add(lib, f"late_{rate}_max_ms", late[-1])
-        results.add(lib, f"late_{rate}_min_ms", late[0])
-    return True
+            results.note(lib, f"{label}: a job started {-late[0]:.1f} ms before its due time")
+        results.add(lib, f"{key}_p50_ms", percentile(late, 0.5))
+        results.add(lib, f"{key}_p99_ms", percentile(late, 0.99))
+        results.add(lib, f"{key}_max_ms", late[-1])
+        results.add(lib, f"{key}_min_ms", late[0])
+
+
+def live(
+    adapter: Adapter, redis: Redis, rate: int, n: int, delays: tuple[float, float], results: Results
+) -> None:
+    """Start lateness of ``n`` delayed jobs submitted ``rate`` a second (0: back to
+    back) while one worker runs them, each due a delay in the range ``delays`` after
+    its submit."""
+    redis.flushall()
+    lib = adapter.library
+    key, label = ("live", f"live {rate:,}/s") if rate else ("idle", "back to back")
+    with adapter.worker("--buffered", concurrency=LIVE_CONCURRENCY) as lines:
+        if not lines.ready.wait(60):
+            raise RuntimeError(f"{lib} worker never became ready")
+        time.sleep(SETTLE)
+        low, high = delays
+        out = adapter.run(
+            "live",
+            *("--n", str(n), "--rate", str(rate)),
+            *("--delay-min", str(low), "--delay-max", str(high)),
+            timeout=120 + n / 50,
+        )
+        if "unsupported" in out:
+            results.note(lib, f"no delayed jobs measured: {out['unsupported']}")
+            return
+        if rate and out["seconds"] > 0:
+            reached = (n - 1) / out["seconds"]
+            if reached < 0.95 * rate:
+                results.note(lib, f"{label}: the producer reached {reached:,.0f} submits/s")
+        deadline = out["last_due"] + 30 + n / 200  # generous: a slow drain still ends
+        while len(lines.starts) < n and time.time() < deadline:
+            time.sleep(0.05)
+    record(results, lib, key, label, list(lines.starts), n)
 
 
 def round_trip(adapter: Adapter, redis: Redis, n: int, results: Results) -> None:
@@ -241,6 +303,7 @@ def run(
         "fleet": FLEET,
         "attempts": ATTEMPTS,
         "sizes": sizes.__dict__,
+        "live_concurrency": LIVE_CONCURRENCY,
         "load_before": os.getloadavg(),
         "revision": revision(),
     }
@@ -264,6 +327,10 @@ def run(
                     for rate, n in sizes.rates:
                         if library in delaying and not lateness(adapter, redis, rate, n, results):
                             delaying.discard(library)
+                    if library in delaying:
+                        n = round(LIVE_RATE * sizes.live_seconds)
+                        live(adapter, redis, LIVE_RATE, n, LIVE_DELAYS, results)
+                        live(adapter, redis, 0, sizes.idle, (IDLE_DELAY, IDLE_DELAY), results)
                     round_trip(adapter, redis, sizes.round_trips, results)
                     retry(adapter, redis, sizes.retry, results)
                 except (RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
@@ -292,6 +359,17 @@ SETTINGS = """\
   `TIME` minus this host's clock: {offset:+.3f} ms at the start, {offset_after:+.3f} ms
   at the end). At 10,000/s the fleet is no longer idle: every library runs jobs at
   or past its throughput on this machine, so lateness there is mostly backlog.
+- Live submits: one worker process at concurrency {live_concurrency} (the library's
+  normal worker, as above) while the producer submits {live_rate:,} delayed jobs a
+  second for {live_seconds:g} s, one submit call per job, each started on its slot
+  without waiting for the ones before it (as a web app's requests overlap; at most
+  50 in flight, a producer that falls behind catching up); job k is
+  due a delay after its call starts, drawn uniformly from {low:g}-{high:g} s (the same
+  draws for every library), so promotions run while submits keep writing the delayed
+  set. Lateness as above, over every job.
+- Back to back: the same worker, idle; {idle} delayed jobs submitted one after the
+  other, each call awaited, each due {idle_delay:g} s after its call starts, so the
+  first ones come due while the last are still being submitted.
 - Round trip: {round_trips} jobs one after the other (10 ms apart), from before the
   submit call to the result in hand, against one idle worker whose handler returns
   the payload.
@@ -317,6 +395,11 @@ def section(results: Results, meta: dict[str, Any], libraries: list[str]) -> str
         offset=meta["clock_offset_ms"],
         offset_after=meta["clock_offset_after_ms"],
         attempts=meta["attempts"],
+        live_concurrency=meta["live_concurrency"],
+        live_rate=LIVE_RATE,
+        low=LIVE_DELAYS[0],
+        high=LIVE_DELAYS[1],
+        idle_delay=IDLE_DELAY,
         **{k: v for k, v in sizes.__dict__.items() if k != "rates"},
     )
     waits = [f"| {lib} | {WAITS[lib][0]} | {WAITS[lib][1]} |" for lib in libraries if lib in WAITS]
@@ -379,6 +462,19 @@ def targets(results: Results, sizes: Sizes) -> list[str]:
         lines.append(
             f"- Lateness p99 at {rate:,} delayed jobs/s: {value:.2f} ms; target <= "
             f"{TARGET_MS:g} ms on an idle fleet: {verdict} in this run."
+        )
+    value = results.median("worqr", "idle_p99_ms")
+    if value is not None:
+        verdict = "met" if value <= TARGET_MS else "not met"
+        lines.append(
+            f"- Lateness p99 of {sizes.idle} delayed jobs submitted back to back to an idle "
+            f"worker: {value:.2f} ms; target <= {TARGET_MS:g} ms: {verdict} in this run."
+        )
+    value = results.median("worqr", "live_p99_ms")
+    if value is not None:
+        lines.append(
+            f"- Lateness p99 under live submits at {LIVE_RATE:,}/s: {value:.2f} ms. The "
+            "target is for an idle fleet; this worker runs a job a millisecond."
         )
     return lines
 

@@ -217,10 +217,10 @@ class Adapter:
         return result
 
     @contextlib.contextmanager
-    def worker(self, *args: str) -> Iterator[Lines]:
+    def worker(self, *args: str, concurrency: int = CONCURRENCY) -> Iterator[Lines]:
         """A `worker` process for the block, its output lines read in a thread."""
         process = subprocess.Popen(
-            self.argv("worker", "--concurrency", str(CONCURRENCY), *args),
+            self.argv("worker", "--concurrency", str(concurrency), *args),
             cwd=PEERS_DIR,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

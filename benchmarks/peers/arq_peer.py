@@ -19,7 +19,8 @@ default. These defaults matter for the figures:
 Jobs. ``schedule`` enqueues with ``_defer_until`` (the same mechanism as ``_defer_by``:
 the job's score in the queue's sorted set is its due time in ms, by the producer's
 clock), `SUBMITTERS` calls at a time; a deferred job starts at the first poll after
-it is due, so lateness is up to ``poll_delay`` (0.5 s). ``roundtrip`` is
+it is due, so lateness is up to ``poll_delay`` (0.5 s). ``live`` enqueues with
+``_defer_until`` too, one ``enqueue_job`` per job. ``roundtrip`` is
 ``enqueue_job`` then ``await job.result()``, which polls every ``poll_delay=0.5`` s
 by default. ``retry``: arq retries a job only when it raises ``Retry``, so the
 always-failing handler raises ``Retry(defer=0)`` on tries 1 and 2 and ``RuntimeError``
@@ -63,6 +64,7 @@ from common import (
     calls,
     due_times,
     emit,
+    live,
     parse_args,
     payload,
     ran,
@@ -177,6 +179,17 @@ async def schedule() -> None:
     await redis.aclose()
 
 
+async def live_jobs() -> None:
+    redis = await connect()
+
+    async def submit(k: int, due: int) -> None:
+        at = datetime.datetime.fromtimestamp(due / 1000, tz=datetime.timezone.utc)
+        await redis.enqueue_job(TASK, f"{due}:{k}", _defer_until=at)
+
+    await live(ARGS.n, ARGS.rate, ARGS.delay_min, ARGS.delay_max, submit)
+    await redis.aclose()
+
+
 async def roundtrip() -> None:
     redis = await connect()
 
@@ -271,6 +284,7 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "live": live_jobs,
 }
 if ARGS.mode == "cron":
     cron()

@@ -28,7 +28,9 @@ marker key until the next delayed job's due time, and is woken by each add. bull
 3.4.4 rounds that timeout up to whole seconds: it checks ``canDoubleTimeout`` on the
 worker's blocking connection, whose capabilities keep their default (False) because
 the Redis version is only ever read on the other connection. A delayed job therefore
-starts up to 1 s after it is due, as if polled every second. ``roundtrip`` adds a job and waits for
+starts up to 1 s after it is due, as if polled every second. ``live`` adds with
+``Queue.add``, one call per job, with ``delay`` and ``timestamp`` as ``schedule``
+does. ``roundtrip`` adds a job and waits for
 its ``completed`` event from a ``QueueEvents`` (a blocking XREAD on the events
 stream): the Python port has no ``waitUntilFinished``, so this is the pattern it
 stands for in Node. ``retry`` adds with ``attempts=--attempts`` and no ``backoff`` (a
@@ -63,6 +65,7 @@ from common import (
     calls,
     due_times,
     emit,
+    live,
     parse_args,
     payload,
     ran,
@@ -157,6 +160,17 @@ async def schedule() -> None:
     await queue.close()
 
 
+async def live_jobs() -> None:
+    queue = Queue(ARGS.queue, connection())
+
+    async def submit(k: int, due: int) -> None:
+        now = round(time.time() * 1000)
+        await queue.add(NAME, {"payload": f"{due}:{k}"}, {"timestamp": now, "delay": due - now})
+
+    await live(ARGS.n, ARGS.rate, ARGS.delay_min, ARGS.delay_max, submit)
+    await queue.close()
+
+
 async def roundtrip() -> None:
     queue = Queue(ARGS.queue, connection())
     events = QueueEvents(ARGS.queue, connection())
@@ -239,6 +253,7 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "live": live_jobs,
     "cron": cron,
 }
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

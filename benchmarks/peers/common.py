@@ -26,7 +26,7 @@ library. The suite drives every adapter through the same five modes:
 ``fleet --workers W`` (worqr only)
     Run W idle workers on the queue until terminated; prints ``ready`` once all work.
 
-The job workloads (benchmarks/jobs.py) add three modes and two ``worker`` flags:
+The job workloads (benchmarks/jobs.py) add four modes and two ``worker`` flags:
 
 ``schedule --n N --rate R --lead L``
     Submit N delayed jobs, due R a second from ``L`` seconds from now on (`due_times`),
@@ -41,6 +41,16 @@ The job workloads (benchmarks/jobs.py) add three modes and two ``worker`` flags:
     Submit N jobs allowed A attempts with no delay between them, then run the
     library's worker over them with a handler that always fails, until all N are
     in its failed state (`RetryClock`). Prints the drain fields plus ``attempts``.
+``live --n N --rate R --delay-min A --delay-max B``
+    Submit N delayed jobs while a worker runs them (`live`): R a second on a fixed
+    schedule, each call started at its slot without waiting for the calls before it
+    (as the requests of a web app overlap; at most `LIVE_IN_FLIGHT` at once, a late
+    schedule catching up), or with R = 0 back to back, each call
+    awaited before the next. Job k is due a delay after the moment its call starts,
+    drawn uniformly from [A, B] seconds (the same draws for every library), in whole
+    milliseconds, given to the library's own delay option; its payload is
+    ``<due Unix ms>:<k>``. Prints ``{"first_due", "last_due", "filled", "seconds"}``
+    (``seconds`` from the first call's start to the last's) or ``{"unsupported": "why"}``.
 ``worker --buffered``
     Keep the ``S`` lines in memory and write them every `FLUSH_EVERY` seconds (the
     start times are taken when the handler starts, as without the flag).
@@ -79,6 +89,7 @@ import asyncio
 import datetime
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -99,9 +110,15 @@ MODES = [
     "schedule",
     "roundtrip",
     "retry",
+    "live",
     "cron",
     "web",
 ]
+LIVE_SEED = 31
+"""Seed of the ``live`` mode's delays, so that every library gets the same ones."""
+LIVE_IN_FLIGHT = 50
+"""Submit calls of the ``live`` mode in flight at most: a stalled machine makes the
+producer fall behind (and catch up) rather than pile up calls past a client's pool."""
 CLOCK_OFFSET_ENV = "BENCH_CLOCK_OFFSET_MS"
 """Milliseconds a ``cron`` process adds to its wall clock (`skew_clock`)."""
 _true_time = time.time
@@ -137,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--lead", type=float, default=1.0)
     parser.add_argument("--attempts", type=int, default=3)
+    parser.add_argument("--delay-min", type=float, default=0.2)
+    parser.add_argument("--delay-max", type=float, default=3.0)
     parser.add_argument("--buffered", action="store_true")
     parser.add_argument("--reply", action="store_true")
     parser.add_argument("--role", choices=["setup", "worker", "scheduler"], default="worker")
@@ -348,6 +367,51 @@ def due_times(n: int, rate: float, lead: float) -> list[int]:
 def scheduled(dues: list[int], filled: float) -> None:
     """The ``schedule`` mode's output line."""
     emit({"first_due": dues[0] / 1000, "last_due": dues[-1] / 1000, "filled": filled})
+
+
+async def live(
+    n: int,
+    rate: float,
+    low: float,
+    high: float,
+    submit: Callable[[int, int], Coroutine[Any, Any, Any]],
+) -> None:
+    """The ``live`` mode: ``submit(k, due)`` submits job k, due at ``due`` (Unix ms);
+    ``rate`` calls a second, each a task of its own, at most `LIVE_IN_FLIGHT` at once
+    (0: back to back, each awaited). Prints the mode's output line."""
+    draws = random.Random(LIVE_SEED)
+    delays = [draws.uniform(low, high) for _ in range(n)]
+    dues: list[int] = []
+    running: list[asyncio.Task[Any]] = []
+    schedule = Schedule(1 / rate) if rate > 0 else None
+    slots = asyncio.Semaphore(LIVE_IN_FLIGHT)
+
+    async def bounded(k: int, due: int) -> None:
+        try:
+            await submit(k, due)
+        finally:
+            slots.release()
+
+    begun = last = time.time()
+    for k in range(n):
+        if schedule is not None:
+            await slots.acquire()
+        last = time.time()
+        dues.append(round((last + delays[k]) * 1000))
+        if schedule is None:
+            await submit(k, dues[k])
+            continue
+        running.append(asyncio.create_task(bounded(k, dues[k])))
+        await schedule.next()
+    await asyncio.gather(*running)
+    emit(
+        {
+            "first_due": min(dues) / 1000,
+            "last_due": max(dues) / 1000,
+            "filled": time.time(),
+            "seconds": last - begun,
+        }
+    )
 
 
 async def round_trips(n: int, interval: float, once: Callable[[str], Awaitable[Any]]) -> None:

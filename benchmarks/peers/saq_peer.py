@@ -22,7 +22,8 @@ precision: SAQ keeps it as the score of its ``incomplete`` sorted set and compar
 with ``time.time()``, and its own retries store fractional times there too),
 `SUBMITTERS` calls at a time. A worker moves due jobs to the queue in its
 ``schedule`` upkeep timer, every 1 s (``timers["schedule"]``), under a 1 s lock
-shared by the workers of the queue, so lateness is up to about 1 s. ``roundtrip``
+shared by the workers of the queue, so lateness is up to about 1 s. ``live``
+enqueues with ``scheduled=`` too, one ``enqueue`` per job. ``roundtrip``
 is ``enqueue`` then ``job.refresh(until_complete=...)``, which waits for the job's
 status on a pub/sub channel (``Queue.apply``, the other way, polls the job every
 ``poll_interval=0.5`` s and sleeps once more after the result: about 1 s a call).
@@ -69,6 +70,7 @@ from common import (
     cron_fields,
     due_times,
     emit,
+    live,
     parse_args,
     payload,
     ran,
@@ -179,6 +181,16 @@ async def schedule() -> None:
 
     await asyncio.gather(*(submitter() for _ in range(SUBMITTERS)))
     scheduled(dues, time.time())
+    await queue.disconnect()
+
+
+async def live_jobs() -> None:
+    queue = await connect()
+
+    async def submit(k: int, due: int) -> None:
+        await queue.enqueue(TASK, payload=f"{due}:{k}", scheduled=due / 1000)
+
+    await live(ARGS.n, ARGS.rate, ARGS.delay_min, ARGS.delay_max, submit)
     await queue.disconnect()
 
 
@@ -305,6 +317,7 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "live": live_jobs,
 }
 if ARGS.mode == "cron":
     cron()

@@ -21,7 +21,7 @@ creates the group before their first XADD; nothing else is changed.
 Jobs. taskiq's brokers have no delay of their own: a task runs later only through a
 schedule source read by the separate ``taskiq scheduler`` process, which reloads its
 sources every 60 s (``update_interval``) and sends what is due on ticks of 1 s
-(taskiq-redis keys one-off schedules by the minute), so ``schedule`` reports
+(taskiq-redis keys one-off schedules by the minute), so ``schedule`` and ``live`` report
 unsupported rather than measure a lateness of up to a minute. ``roundtrip`` and
 ``worker --reply`` give the broker taskiq-redis's ``RedisAsyncResultBackend`` (a
 result is only kept with one); the client waits with ``wait_result()``, which polls
@@ -213,5 +213,6 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "live": schedule,
 }
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)

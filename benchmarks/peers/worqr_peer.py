@@ -8,7 +8,8 @@ time in Unix seconds, judged by the Redis server's clock, which on this host is 
 producer's clock too); every worker of the queue keeps a timer at the earliest due
 time and is woken early by the ``delayed`` event of each submit, so nothing polls.
 ``roundtrip`` is ``submit`` then ``await job.result()`` (it listens on the queue's
-``done`` channel). ``retry`` submits with ``max_attempts`` and ``backoff=0`` and
+``done`` channel). ``live`` submits with ``submit(at=...)``, one call per job, on
+one client (`Worqr.from_url`). ``retry`` submits with ``max_attempts`` and ``backoff=0`` and
 reads the failed list's length (`Worqr.statistics`) every few milliseconds.
 
 Schedules. ``cron --role setup`` stores the schedule once, ``schedule("tick",
@@ -40,6 +41,7 @@ from common import (
     calls,
     due_times,
     emit,
+    live,
     parse_args,
     payload,
     ran,
@@ -174,6 +176,15 @@ async def schedule() -> None:
         scheduled(dues, time.time())
 
 
+async def live_jobs() -> None:
+    async with jobs_client() as worqr:
+
+        async def submit(k: int, due: int) -> None:
+            await worqr.submit(ARGS.queue, f"{due}:{k}", at=due / 1000)
+
+        await live(ARGS.n, ARGS.rate, ARGS.delay_min, ARGS.delay_max, submit)
+
+
 async def roundtrip() -> None:
     async with jobs_client() as worqr:
 
@@ -249,6 +260,7 @@ MODES = {
     "schedule": schedule,
     "roundtrip": roundtrip,
     "retry": retry,
+    "live": live_jobs,
     "cron": cron,
 }
 run(MODES[ARGS.mode], use_uvloop=ARGS.uvloop)
