@@ -19,10 +19,12 @@ from typing import Any
 
 import anyio
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry as Resend
 from redis.backoff import NoBackoff
 
+import worqr._ops
+import worqr._wire
 from worqr import (
     BackendUnavailableError,
     Backoff,
@@ -37,6 +39,7 @@ from worqr import (
     Retry,
     Worqr,
 )
+from worqr._clock import ServerClock
 from worqr._connections import Client
 
 from .helpers import FAST, RELAXED, Factory, Handler, eventually, raw_keys
@@ -1246,6 +1249,29 @@ async def test_a_worker_whose_clock_steps_back_still_promotes_on_time(
         assert await job.result(timeout=10) == "ok"
 
 
+async def test_a_clock_sample_that_waits_for_a_connection_does_not_run_ahead(
+    redis_url: str, real_client: Redis
+) -> None:
+    """The pool's one connection is busy for 0.4 s when the clock is sampled: the
+    sample's round trip is timed from its write, not from the wait for a connection,
+    so the estimate is not ahead of the server by half the wait (a job due 0.2 s
+    later would have looked due and been queued at once)."""
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=1, timeout=10)
+    client = Redis(connection_pool=pool)
+    clock = ServerClock()
+    try:
+        busy = await pool.get_connection()
+        sampling = asyncio.ensure_future(clock.sample(client, samples=1))
+        await anyio.sleep(0.4)
+        await pool.release(busy)
+        await sampling
+        estimate = clock.estimate_ms() / 1000
+        assert estimate <= await server_time(real_client) + 0.05
+    finally:
+        await client.aclose()
+        await pool.disconnect()
+
+
 # -- promotion -----------------------------------------------------------------------------------
 
 
@@ -1276,6 +1302,38 @@ async def test_stopping_work_on_a_queue_while_another_is_promoted_keeps_promotin
         proxy.delay = 0.0
         await producer.close()
         await worker.close()
+
+
+@pytest.mark.parametrize("guess", [0.0, -120.0, 3600.0], ids=["right", "behind", "ahead"])
+async def test_a_promotion_moves_what_the_servers_time_reached_whatever_the_guess(
+    guess: float, real_make: Factory, real_client: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion reads the entries due by its caller's guess of the server's time,
+    beside ``TIME``, in one round trip; then watches and re-checks them, then writes:
+    three round trips on one server. The server's time decides what moves: a guess
+    two minutes behind still moves the due jobs (one round trip more), one an hour
+    ahead moves nothing that is not due."""
+    admin = real_make()
+    due = [(await admin.submit(Q, f"due {n}", delay=0.05)).id for n in range(5)]
+    later = await admin.submit(Q, "later", delay=30)
+    await anyio.sleep(0.1)
+    sent: list[int] = []
+    exchange = worqr._wire.exchange
+
+    async def counted(connection: Any, commands: Any) -> Any:
+        sent.append(len(commands))
+        return await exchange(connection, commands)
+
+    monkeypatch.setattr(worqr._wire, "exchange", counted)
+    now = await server_time(real_client)
+    done = await worqr._ops.promote(admin._redis, admin._keys, Q, round((now + guess) * 1000))
+    monkeypatch.setattr(worqr._wire, "exchange", exchange)
+    assert done.moved == len(due)
+    assert len(sent) == (4 if guess < 0 else 3)
+    assert len(await admin.get_tasks(Q)) == len(due)
+    assert {await admin.job(Q, job_id).status() for job_id in due} == {JobStatus.QUEUED}
+    assert [job_id for _, job_id in await admin.get_delayed(Q)] == [later.id]
+    assert done.next_due_ms is not None and done.next_due_ms > done.now_ms + 20_000
 
 
 async def _tasks(worqr: Worqr, queue: str, count: int) -> bool:
@@ -1319,13 +1377,13 @@ async def slow_peers(
     made: list[Worqr] = []
 
     def make() -> Worqr:
-        worqr = Worqr.from_url(proxy.url, prefix=prefix, **RELAXED)
-        made.append(worqr)
-        return worqr
+        peer = Worqr.from_url(proxy.url, prefix=prefix, **RELAXED)
+        made.append(peer)
+        return peer
 
     yield make
-    for worqr in made:
-        await worqr.close()
+    for peer in made:
+        await peer.close()
 
 
 async def test_jobs_with_retries_and_delays_through_a_slow_link(

@@ -884,8 +884,10 @@ async def paused_after(
     monkeypatch: pytest.MonkeyPatch, matches: Callable[[tuple[Any, ...]], bool]
 ) -> AsyncIterator[tuple[asyncio.Event, asyncio.Event]]:
     """Pause the first `_ops.read` whose command ``matches`` (or `_ops.reads` or
-    `_ops._beside` whose first command does), after its reply: yields (paused, resume)."""
+    `_ops._beside` whose first command does, or a `Watching.look` one of whose reads
+    does), after its reply: yields (paused, resume)."""
     read, reads, beside = worqr._ops.read, worqr._ops.reads, worqr._ops._beside
+    look = worqr._wire.Watching.look
     paused, resume = asyncio.Event(), asyncio.Event()
 
     async def pause_if(command: tuple[Any, ...]) -> None:
@@ -910,9 +912,16 @@ async def paused_after(
             await pause_if(tuple(commands[0]))
         return replies
 
+    async def pausing_look(session: Any, watch: Any, commands: Any) -> Any:
+        replies = await look(session, watch, commands)
+        for command in commands:
+            await pause_if(tuple(command))
+        return replies
+
     monkeypatch.setattr(worqr._ops, "read", pausing)
     monkeypatch.setattr(worqr._ops, "reads", pausing_all)
     monkeypatch.setattr(worqr._ops, "_beside", pausing_beside)
+    monkeypatch.setattr(worqr._wire.Watching, "look", pausing_look)
     try:
         yield paused, resume
     finally:
@@ -976,7 +985,13 @@ async def test_a_promotion_racing_a_cancel_does_not_queue_the_cancelled_job(
         moved: list[int] = []
 
         async def promote() -> None:
-            moved.append((await worqr._ops.promote(admin._redis, admin._keys, Q)).moved)
+            moved.append(
+                (
+                    await worqr._ops.promote(
+                        admin._redis, admin._keys, Q, admin._clock.estimate_ms()
+                    )
+                ).moved
+            )
 
         tg.start_soon(promote)
         with anyio.fail_after(5):
@@ -1014,7 +1029,11 @@ async def test_a_promotion_gets_through_while_delayed_jobs_keep_coming(
                 tg.start_soon(produce)
             with anyio.fail_after(60):
                 await going.wait()
-                moved = (await worqr._ops.promote(promoter._redis, promoter._keys, Q)).moved
+                moved = (
+                    await worqr._ops.promote(
+                        promoter._redis, promoter._keys, Q, promoter._clock.estimate_ms()
+                    )
+                ).moved
             stop.set()
     finally:
         await promoter.close()

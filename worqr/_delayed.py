@@ -26,7 +26,6 @@ from ._reach import Reach
 
 _RETRY_AFTER_MS = 1000  # a failed promotion is tried again this much later
 _MAX_DIGITS = 15  # of a due time in Unix ms (the year 5138 has 15)
-_MIN_WAIT = 0.001  # seconds: a due time our clock estimate reaches before the server does
 _MAX_WAIT = 1.0  # seconds a timer sleeps before it looks at the clock estimate again
 
 
@@ -92,15 +91,18 @@ class Promoter:
         now = self._clock.estimate_ms()
         earliest = min(self._due.values(), default=None)
         # A long wait is cut into short ones: the clock estimate it was computed from
-        # may change meanwhile (a new sample after this host's clock was stepped).
-        wait = math.inf if earliest is None else max(_MIN_WAIT, (earliest - now) / 1000)
+        # may change meanwhile (a new sample after this host's clock was stepped). A
+        # due time already reached (it came while promoting) is promoted at once:
+        # one the server has not reached yet comes back from `_promote` as the time
+        # the estimate will reach it, so this never spins.
+        wait = math.inf if earliest is None else max(0.0, (earliest - now) / 1000)
         wait = min(wait, _MAX_WAIT)
         with anyio.move_on_after(wait):
             await self._wake.wait()
 
     async def _promote(self, queue: str) -> None:
         try:
-            done = await _ops.promote(self._client, self._keys, queue)
+            done = await _ops.promote(self._client, self._keys, queue, self._clock.estimate_ms())
         except BackendError as exc:
             if not isinstance(exc, CorruptDataError):
                 self._reach.failed("promoting delayed jobs failed", exc, queue=queue)

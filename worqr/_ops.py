@@ -857,14 +857,22 @@ async def clear_failed(r: Client, keys: Keys, queue: str) -> int:
 
 
 def _push_levels(pipe: Pipeline, keys: Keys, queue: str, items: Sequence[tuple[str, Any]]) -> None:
-    """Queue the RPUSH of each (level, stored task) to the back of its level's list, in
+    """Queue `level_pushes` on a transaction's pipeline."""
+    for command in level_pushes(keys, queue, items):
+        pipe.execute_command(*command)
+
+
+def level_pushes(keys: Keys, queue: str, items: Sequence[tuple[str, Any]]) -> list[Wire]:
+    """The RPUSH of each (level, stored task) to the back of its level's list, in
     order within a level, and one ``work`` event (``work:N`` when all are normal)."""
+    commands: list[Wire] = []
     for level in LEVELS:
         tasks = [task for at, task in items if at == level]
         if tasks:
-            pipe.execute_command("RPUSH", keys.level(queue, level), *tasks)
+            commands.append(("RPUSH", keys.level(queue, level), *tasks))
     mixed = any(level != "normal" for level, _ in items)
-    pipe.execute_command(*announce(keys, queue, "high" if mixed else "normal", len(items)))
+    commands.append(announce(keys, queue, "high" if mixed else "normal", len(items)))
+    return commands
 
 
 def _new_life(task: FailedTask) -> Envelope | None:
@@ -1175,6 +1183,7 @@ def live_score(score: Any) -> bool:
 
 
 _PROMOTE_BATCH = 1000  # envelopes one promotion moves at most
+_LOOK_AHEAD_MS = 5  # a promotion reads this far past its caller's guess of the time
 
 
 @dataclass(frozen=True, slots=True)
@@ -1189,9 +1198,17 @@ class Promotion:
 
 
 @redis_boundary
-async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
+async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion:
     """Move the jobs whose due time has come (by the server's ``TIME``) from the
-    delayed set to the back of the queue, earliest first.
+    delayed set to the back of the queue, earliest first, in three round trips.
+
+    ``guess_ms`` is the caller's estimate of the server's time: the first round trip
+    reads the entries due by then (and `_LOOK_AHEAD_MS` more) beside ``TIME``, and
+    only those the server's time has reached move. A guess behind the server (this
+    host's clock was stepped back) leaves due entries unread, which the entry read
+    after them shows: they are read again up to the server's time, one round trip
+    more. Only what is due (by the guess) is read, and the one entry after it,
+    however many jobs wait for later.
 
     Every worker of the queue may try at once: one moves each job, the others find it
     gone. The fence is the due jobs' records, which every other writer that takes a
@@ -1199,83 +1216,112 @@ async def promote(r: Client, keys: Keys, queue: str) -> Promotion:
     not the delayed set itself: each `submit` with a delay writes that, and under
     live traffic a WATCH on it failed nearly every EXEC. An entry that is no job
     (nothing else writes one, but data under the prefix may be anything) is fenced
-    by the set. Only what is due is read, and the one entry after it (the next due
-    time), however many jobs wait for later.
-      1. TIME                                         -> now (ms)
-      2. ZRANGE delayed -inf <now> BYSCORE LIMIT 0 1000 WITHSCORES     -> those due
-         ZRANGE delayed (<now> +inf BYSCORE LIMIT 0 1 WITHSCORES     -> the next due
-                                                         (both in one round trip)
+    by the set.
+      1. TIME                                          -> now (ms)
+         ZRANGE delayed -inf <horizon> BYSCORE LIMIT 0 1000 WITHSCORES
+         ZRANGE delayed (<horizon> +inf BYSCORE LIMIT 0 1 WITHSCORES
+                                    (one round trip)   -> those due: score <= now
+         (the entry after them due too: the same with <now> as the horizon)
          (none due: done)
-      3. WATCH j:<id>...                              (and delayed, for a non-job)
-      4. ZMSCORE delayed <envelope>...;  TYPE <level>...   -> gone or not due: left
-                                                         out (none left: UNWATCH)
-      5. MULTI
-      6. ZREM delayed <envelope>...
-      7. RPUSH <level> <envelope>...                  (each to its priority's list)
-      8. HSET j:<id> state queued;  HDEL j:<id> due   (per job)
-      9. PUBLISH events work:<n>                      (work: when not all are normal)
-     10. EXEC                                         -> nil: back to 1
-     11. SADD queues queue
+      2. WATCH j:<id>...  (and delayed, for a non-job)
+         ZMSCORE delayed <envelope>...;  TYPE <level>...
+                                    (one round trip)   -> gone or not due: left out
+                                                          (none left: UNWATCH)
+      3. MULTI
+         ZREM delayed <envelope>...
+         RPUSH <level> <envelope>...                   (each to its priority's list)
+         HSET j:<id> state queued;  HDEL j:<id> due    (per job)
+         PUBLISH events work:<n>                       (work: when not all are normal)
+         SADD queues queue                             (one server: in the transaction)
+         EXEC                                          -> nil: back to 1
+      4. SADD queues queue                             (a Cluster: another slot)
     """
     delayed = keys.delayed(queue)
+    single = isinstance(r, Redis)
 
-    async def body(pipe: Pipeline) -> Promotion:
-        now = server_ms(await pipe.immediate_execute_command("TIME"))
-        head, after = await _beside(
-            pipe,
-            [
-                (
-                    "ZRANGE",
-                    delayed,
-                    "-inf",
-                    now,
-                    "BYSCORE",
-                    "LIMIT",
-                    0,
-                    _PROMOTE_BATCH,
-                    "WITHSCORES",
-                ),
-                ("ZRANGE", delayed, f"({now}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
-            ],
-        )
+    def looks(horizon: int) -> list[Wire]:
+        return [
+            ("TIME",),
+            (
+                "ZRANGE",
+                delayed,
+                "-inf",
+                horizon,
+                "BYSCORE",
+                "LIMIT",
+                0,
+                _PROMOTE_BATCH,
+                "WITHSCORES",
+            ),
+            ("ZRANGE", delayed, f"({horizon}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
+        ]
+
+    async def attempt(session: Watching) -> Promotion | None:
+        clock, head, after = await session.look([], looks(guess_ms + _LOOK_AHEAD_MS))
+        now = server_ms(clock)
         _raise_wrong([("ZRANGE", delayed)], [head])
-        due = [text(member) for member, _ in _pairs(head)]
-        later = [_ms(score) for _, score in _pairs(after)]
-        next_due = later[0] if later else None
+        unread = [ms for _, score in _pairs(after) if (ms := _ms(score)) is not None and ms <= now]
+        if unread and len(head) < _PROMOTE_BATCH:  # the guess is behind: read up to now
+            clock, head, after = await session.look([], looks(now))
+            now = server_ms(clock)
+            _raise_wrong([("ZRANGE", delayed)], [head])
+        read = [(text(member), _ms(score)) for member, score in _pairs(head)]
+        due = [member for member, ms in read if ms is not None and ms <= now]
+        waiting = [ms for _, ms in read if ms is not None and ms > now]
+        waiting += [ms for _, score in _pairs(after) if (ms := _ms(score)) is not None]
+        next_due = min(waiting, default=None)
         if len(due) == _PROMOTE_BATCH:
             next_due = now  # more may be due: the caller promotes again at once
         if not due:
             return Promotion(0, next_due, now)
         ids = [_job_id(member) for member in due]
         fences = {keys.job(queue, job_id) for job_id in ids if job_id is not None}
-        await pipe.watch(*sorted(fences), *([delayed] if None in ids else []))
         moving = [stored(member) for member in due]  # written back as they are stored
         levels = [level_of_stored(member) for member in due]
         kinds = sorted(set(levels))
-        replies = await _beside(
-            pipe,
-            [("ZMSCORE", delayed, *moving)] + [("TYPE", keys.level(queue, k)) for k in kinds],
+        replies = _unless_wrong(
+            await session.look(
+                [*sorted(fences), *([delayed] if None in ids else [])],
+                [("ZMSCORE", delayed, *moving)] + [("TYPE", keys.level(queue, k)) for k in kinds],
+            )
         )
         for level, found in zip(kinds, replies[1:], strict=True):
             if text(found) not in ("list", "none"):
-                await pipe.reset()
                 raise _corrupt(keys.level(queue, level), text(found))
         still = [(ms := _ms(score)) is not None and ms <= now for score in replies[0]]
         if not any(still):
             return Promotion(0, next_due, now)
-        pipe.multi()
         moved = [i for i, kept in enumerate(still) if kept]
-        pipe.execute_command("ZREM", delayed, *(moving[i] for i in moved))
-        _push_levels(pipe, keys, queue, [(levels[i], moving[i]) for i in moved])
+        writes: list[Wire] = [("ZREM", delayed, *(moving[i] for i in moved))]
+        writes += level_pushes(keys, queue, [(levels[i], moving[i]) for i in moved])
         for i in moved:
             job_id = ids[i]
             if job_id is not None:
-                pipe.execute_command("HSET", keys.job(queue, job_id), "state", "queued")
-                pipe.execute_command("HDEL", keys.job(queue, job_id), "due")
+                writes.append(("HSET", keys.job(queue, job_id), "state", "queued"))
+                writes.append(("HDEL", keys.job(queue, job_id), "due"))
+        if single:
+            writes.append(("SADD", keys.queues, queue))
+        try:
+            outcome = await session.commit(writes)
+        except MaxConnectionsError:
+            raise
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise _unknown_outcome() from exc
+        if outcome is None:
+            return None  # a fence changed: read again
+        _unless_wrong(outcome)
         return Promotion(len(moved), next_due, now)
 
-    done, _ = await _optimistic(r, [], body, slot=delayed)
-    if done.moved:
+    async def run(node: Redis) -> Promotion:
+        async with watching(node) as session:
+            for _ in range(_MAX_ATTEMPTS):
+                done = await attempt(session)
+                if done is not None:
+                    return done
+        raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {delayed}")
+
+    done = await on_slot(r, delayed, run)
+    if done.moved and not single:
         await reads(r, [("SADD", keys.queues, queue)])
     return done
 
