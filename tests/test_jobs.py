@@ -26,6 +26,7 @@ from redis.backoff import NoBackoff
 import worqr._ops
 import worqr._wire
 from worqr import (
+    BackendError,
     BackendUnavailableError,
     Backoff,
     DuplicateTaskError,
@@ -1334,6 +1335,67 @@ async def test_a_promotion_moves_what_the_servers_time_reached_whatever_the_gues
     assert {await admin.job(Q, job_id).status() for job_id in due} == {JobStatus.QUEUED}
     assert [job_id for _, job_id in await admin.get_delayed(Q)] == [later.id]
     assert done.next_due_ms is not None and done.next_due_ms > done.now_ms + 20_000
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_guess_behind_the_server_reads_again_past_a_long_head(
+    protocol: int, redis_url: str, prefix: str
+) -> None:
+    """600 jobs are due, then one more, and the guess falls between their due times:
+    the first read finds the 600 and, after them, the last one due too, so the
+    promotion reads again up to the server's time and moves all 601, whatever the
+    reply's shape (a RESP2 reply with scores is flat: 1,200 items)."""
+    async with Worqr.from_url(f"{redis_url}?protocol={protocol}", prefix=prefix) as admin:
+        first_due = await server_time(admin._redis) + 0.05
+        await admin.submit_many(Q, [f"a{n}" for n in range(600)], at=first_due)
+        last_due = await server_time(admin._redis) + 0.3
+        await admin.submit(Q, "b", at=last_due)
+        assert len(await admin.get_delayed(Q)) == 601
+        await anyio.sleep(max(0.0, last_due + 0.1 - await server_time(admin._redis)))
+        guess = round((first_due + last_due) / 2 * 1000)  # between the two due times
+        done = await worqr._ops.promote(admin._redis, admin._keys, Q, guess)
+        assert (done.moved, done.next_due_ms) == (601, None)
+        assert await admin.get_delayed(Q) == []
+
+
+async def test_entries_below_any_time_do_not_hold_the_delayed_set_back(
+    real_make: Factory, real_client: Redis
+) -> None:
+    """1,200 entries scored ``-inf`` (nothing worqr writes) sit at the head of the
+    delayed set, ahead of a due job: they move as due entries, in batches, and the
+    job behind them moves too, without a promotion that finds nothing to do."""
+    admin = real_make()
+    job = await admin.submit(Q, "behind the junk", delay=0.05)
+    delayed = admin._keys.delayed(Q)
+    await real_client.zadd(delayed, {f"junk-{n}": float("-inf") for n in range(1200)})
+    await anyio.sleep(0.1)
+    first = await worqr._ops.promote(admin._redis, admin._keys, Q, round(time.time() * 1000))
+    assert first.moved == 1000 and first.next_due_ms == first.now_ms  # more are due
+    second = await worqr._ops.promote(admin._redis, admin._keys, Q, round(time.time() * 1000))
+    assert (second.moved, second.next_due_ms) == (201, None)
+    assert await job.status() == JobStatus.QUEUED
+    assert len(await admin.get_tasks(Q)) == 1201
+
+
+async def test_a_refused_read_is_a_backend_error_in_a_promotion_and_a_clock_sample(
+    redis_url: str, real_client: Redis, prefix: str
+) -> None:
+    """Redis refuses the promotion's first read (here an ACL that denies ZRANGE; after
+    a failover, a MOVED) and the clock's TIME: each raises the refusal as a
+    `BackendError` (a MOVED is re-routed), not a TypeError from a reply taken apart."""
+    user = f"u{prefix}"
+    await real_client.execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-zrange", "-time"
+    )
+    try:
+        host = redis_url.removeprefix("redis://")
+        async with Worqr.from_url(f"redis://{user}:pw@{host}", prefix=prefix) as limited:
+            with pytest.raises(BackendError, match=r"NOPERM|permission"):
+                await worqr._ops.promote(limited._redis, limited._keys, Q, 0)
+            with pytest.raises(BackendError, match=r"NOPERM|permission"):
+                await ServerClock().now_ms(limited._redis)
+    finally:
+        await real_client.execute_command("ACL", "DELUSER", user)
 
 
 async def _tasks(worqr: Worqr, queue: str, count: int) -> bool:

@@ -65,7 +65,10 @@ async def _timed(node: Redis) -> tuple[float, float]:
             if not connection.is_connected:
                 await connect_once(connection)
             sent = time.time() * 1000
-            ((seconds, micros),) = await exchange(connection, [("TIME",)])
+            (reply,) = await exchange(connection, [("TIME",)])
+            if isinstance(reply, Exception):  # refused (BUSY, NOPERM...): as a call raises
+                raise reply
+            seconds, micros = reply
             received = time.time() * 1000
             server = int(text(seconds)) * 1000 + int(text(micros)) / 1000
             return received - sent, server - (sent + received) / 2

@@ -1256,20 +1256,20 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
             ("ZRANGE", delayed, f"({horizon}", "+inf", "BYSCORE", "LIMIT", 0, 1, "WITHSCORES"),
         ]
 
-    async def attempt(session: Watching) -> Promotion | None:
-        clock, head, after = await session.look([], looks(guess_ms + _LOOK_AHEAD_MS))
-        now = server_ms(clock)
+    async def first_look(session: Watching, horizon: int) -> tuple[int, list[Any], list[Any]]:
+        """Step 1: the server's time, the entries up to ``horizon``, the one after."""
+        clock, head, after = _unless_wrong(await session.look([], looks(horizon)))
         _raise_wrong([("ZRANGE", delayed)], [head])
-        unread = [ms for _, score in _pairs(after) if (ms := _ms(score)) is not None and ms <= now]
-        if unread and len(head) < _PROMOTE_BATCH:  # the guess is behind: read up to now
-            clock, head, after = await session.look([], looks(now))
-            now = server_ms(clock)
-            _raise_wrong([("ZRANGE", delayed)], [head])
-        read = [(text(member), _ms(score)) for member, score in _pairs(head)]
-        due = [member for member, ms in read if ms is not None and ms <= now]
-        waiting = [ms for _, ms in read if ms is not None and ms > now]
-        waiting += [ms for _, score in _pairs(after) if (ms := _ms(score)) is not None]
-        next_due = min(waiting, default=None)
+        return server_ms(clock), _pairs(head), _pairs(after)
+
+    async def attempt(session: Watching) -> Promotion | None:
+        now, head, after = await first_look(session, guess_ms + _LOOK_AHEAD_MS)
+        if len(head) < _PROMOTE_BATCH and any(_reached(score, now) for _, score in after):
+            now, head, after = await first_look(session, now)  # the guess is behind
+        due = [text(member) for member, score in head if _reached(score, now)]
+        waiting = [_ms(score) for _, score in head if not _reached(score, now)]
+        waiting += [_ms(score) for _, score in after]
+        next_due = min((ms for ms in waiting if ms is not None), default=None)
         if len(due) == _PROMOTE_BATCH:
             next_due = now  # more may be due: the caller promotes again at once
         if not due:
@@ -1288,7 +1288,7 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
         for level, found in zip(kinds, replies[1:], strict=True):
             if text(found) not in ("list", "none"):
                 raise _corrupt(keys.level(queue, level), text(found))
-        still = [(ms := _ms(score)) is not None and ms <= now for score in replies[0]]
+        still = [_reached(score, now) for score in replies[0]]
         if not any(still):
             return Promotion(0, next_due, now)
         moved = [i for i, kept in enumerate(still) if kept]
@@ -1324,6 +1324,17 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
     if done.moved and not single:
         await reads(r, [("SADD", keys.queues, queue)])
     return done
+
+
+def _reached(score: Any, now: int) -> bool:
+    """Whether a delayed entry's score (None: gone) is ``now`` or earlier. A score that
+    below any time (``-inf``: nothing worqr writes) counts as reached: the entry moves
+    as any due one does, rather than hold the head of the set, and every promotion
+    behind it, for good."""
+    try:
+        return float(text(score) if isinstance(score, bytes | str) else score) <= now
+    except (TypeError, ValueError):
+        return False
 
 
 def level_of_stored(task: str) -> str:
@@ -3296,9 +3307,11 @@ async def touch_worker(
 
 def _first_due(reply: Any) -> int | None:
     """The score of a ``ZRANGE delayed 0 0 WITHSCORES`` reply, None for none (or for
-    one that is no time: never due)."""
+    one that is no time: never due); 0 for ``-inf``, which a promotion moves (`_reached`)."""
     pairs = [] if is_wrong_type(reply) else _pairs(reply)
-    return _ms(pairs[0][1]) if pairs else None
+    if not pairs:
+        return None
+    return 0 if _reached(pairs[0][1], -(2**53)) else _ms(pairs[0][1])
 
 
 def _ms(score: Any) -> int | None:
