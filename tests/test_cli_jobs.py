@@ -123,7 +123,7 @@ async def test_submit_after_waits_for_its_dependencies(
     assert unknown.returncode == 1
     assert unknown.stderr == (
         "worqr: error: no job 'nope' in 'jobs' to wait for (never submitted, deleted, or its"
-        " outcome expired)\n"
+        " outcome expired; a job waits only for jobs of its own queue)\n"
     )
     ran: list[str] = []
 

@@ -57,6 +57,24 @@ async def test_strict_takes_the_highest_level_and_keeps_fifo_within(make: Factor
     assert stats.levels == {"high": 0, "normal": 0, "low": 0}
 
 
+async def test_strict_sees_overdue_high_jobs_before_its_first_take(make: Factory) -> None:
+    """High jobs came due while no worker was on the queue, and a low task was queued
+    meanwhile: a strict consumer that starts now runs the high jobs first (they are
+    promoted as it starts work, before its first take)."""
+    producer, worker = make(), make()
+    await producer.submit_many("q", ["h1", "h2"], delay=0.05, priority="high")
+    await producer.enqueue("q", "l1", priority="low")
+    await anyio.sleep(0.2)
+    ran: list[str] = []
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    async with consuming(worker, handler, queue="q", priority="strict"):
+        await eventually(lambda: len(ran) == 3)
+    assert ran == ["h1", "h2", "l1"]
+
+
 async def test_weighted_serves_every_level_under_saturation(make: Factory) -> None:
     producer, worker = make(), make()
     for level in ("high", "normal", "low"):

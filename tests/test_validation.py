@@ -92,6 +92,21 @@ async def test_bad_tasks_are_rejected_and_nothing_written(
     assert await raw_keys(client, prefix) == {}
 
 
+async def test_a_payload_that_is_no_str_is_named_and_the_way_out_given(
+    make: Factory, client: Redis, prefix: str
+) -> None:
+    """A dict given as a job's payload: the error names the payload (not "task") and
+    says to encode it; bytes are to be decoded."""
+    worqr = make()
+    with pytest.raises(TypeError, match=r"^payload must be a str, not dict \(encode it first"):
+        await worqr.submit("jobs", {"order": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^payload must be a str, not bytes \(decode bytes"):
+        await worqr.submit_many("jobs", [b"x"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^task must be a str or a sequence of str, not dict"):
+        await worqr.enqueue("jobs", {"order": 1})  # type: ignore[arg-type]
+    assert await raw_keys(client, prefix) == {}
+
+
 def test_surrogate_task_error_is_ours() -> None:
     assert issubclass(InvalidTaskError, ValueError)
 

@@ -49,6 +49,16 @@ class Promoter:
         self._queues.add(queue)
         self.note(queue, due_ms)
 
+    async def catch_up(self, queue: str, due_ms: int | None) -> None:
+        """`note` the earliest due time of a queue this worker starts on; jobs already
+        due then are promoted now, before the worker's first take (so that a strict
+        consumer sees an overdue high job beside the tasks queued meanwhile), not
+        when the timer comes round."""
+        if due_ms is not None and queue in self._queues and due_ms <= self._clock.estimate_ms():
+            await self._promote(queue)
+        else:
+            self.note(queue, due_ms)
+
     def note(self, queue: str, due_ms: int | None) -> None:
         """A due time of ``queue`` (None: nothing delayed as far as this caller knows)."""
         if due_ms is None or queue not in self._queues:

@@ -40,6 +40,7 @@ async def _peer(url: str, prefix: str, name: str) -> None:
         return name
 
     async with _connect(url, prefix) as worqr:
+        print(f"{name} is worker {worqr.worker_id}", flush=True)
         await worqr.consume(QUEUE, handler, concurrency=2)
 
 
@@ -86,11 +87,15 @@ async def _run(url: str) -> int:
             await producer.enqueue(QUEUE, tasks)
             clock.say(f"enqueued {TASKS} tasks on {url}; {PEERS} peers share queue {QUEUE!r}")
             assert victim.stdout is not None
+            worker = "?"
             while len(held) < 2:  # wait until the victim is mid-task
                 line = await anyio.to_thread.run_sync(victim.stdout.readline)
-                held.append(line.split()[-1])
+                if " is worker " in line:
+                    worker = line.split()[-1]
+                else:
+                    held.append(line.split()[-1])
             victim.send_signal(signal.SIGKILL)
-            clock.say(f"SIGKILL peer-2 while it runs {', '.join(held)}")
+            clock.say(f"SIGKILL peer-2 (worker {worker}) while it runs {', '.join(held)}")
             with anyio.fail_after(30):
                 while not set(held) & {*await producer.get_tasks(QUEUE), *done}:
                     work[0] = anyio.Event()
@@ -102,9 +107,8 @@ async def _run(url: str) -> int:
             for task in held:
                 clock.say(f"{task} finished by {done[task]}")
             lost = [task for task in tasks if task not in done]
-            per_peer = {
-                name: list(done.values()).count(name) for name in sorted(set(done.values()))
-            }
+            finished = list(done.values())
+            per_peer = {f"peer-{i}": finished.count(f"peer-{i}") for i in range(1, PEERS + 1)}
             clock.say(f"all {TASKS} tasks done, {len(lost)} lost; tasks per peer: {per_peer}")
             return 1 if lost else 0
     finally:

@@ -95,14 +95,15 @@ def check_prefix(prefix: object) -> str:
     return prefix
 
 
-def check_task(task: object) -> str:
-    """Return ``task`` if it is a str that Redis can store (valid UTF-8)."""
+def check_task(task: object, what: str = "task") -> str:
+    """Return ``task`` if it is a str that Redis can store (valid UTF-8); ``what`` is
+    its name in the error."""
     if not isinstance(task, str):
-        raise TypeError(f"task must be a str, not {type(task).__name__}")
+        raise TypeError(f"{what} must be a str, not {type(task).__name__}{_hint(task)}")
     try:
         task.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidTaskError(f"task is not valid Unicode text: {exc}") from exc
+        raise InvalidTaskError(f"{what} is not valid Unicode text: {exc}") from exc
     return task
 
 
@@ -143,17 +144,26 @@ def check_sizes(what: str, texts: Sequence[str], limit: int) -> None:
             )
 
 
-def check_tasks(task_or_tasks: object) -> list[str]:
-    """Normalise one task or a non-empty sequence of tasks to a list."""
+def _hint(value: object) -> str:
+    """What to do with a value that is no str: bytes are to be decoded, the rest encoded."""
+    if isinstance(value, bytes | bytearray):
+        return " (decode bytes first)"
+    return " (encode it first, with json.dumps for example)"
+
+
+def check_tasks(task_or_tasks: object, what: str = "task") -> list[str]:
+    """Normalise one task or a non-empty sequence of tasks to a list; ``what`` is a
+    task's name in the errors."""
     if isinstance(task_or_tasks, str):
-        return [check_task(task_or_tasks)]
+        return [check_task(task_or_tasks, what)]
     if isinstance(task_or_tasks, bytes | bytearray) or not isinstance(task_or_tasks, Sequence):
         raise TypeError(
-            f"task must be a str or a sequence of str, not {type(task_or_tasks).__name__}"
+            f"{what} must be a str or a sequence of str, not {type(task_or_tasks).__name__}"
+            + _hint(task_or_tasks)
         )
-    tasks = [check_task(task) for task in task_or_tasks]
+    tasks = [check_task(task, what) for task in task_or_tasks]
     if not tasks:
-        raise ValueError("no tasks given")
+        raise ValueError(f"no {what}s given")
     return tasks
 
 

@@ -127,7 +127,7 @@ async def submit_after(
             named = ", ".join(repr(d) for d in unknown[:10]) + (", ..." if unknown[10:] else "")
             raise DependencyError(
                 f"no job {named} in {queue!r} to wait for (never submitted, deleted, or"
-                " its outcome expired)"
+                " its outcome expired; a job waits only for jobs of its own queue)"
             )
         verdict = judge({d: found[d].life for d in after}, found)
         types = dict(zip(checks, (text(t) for t in replies[len(after) :]), strict=True))

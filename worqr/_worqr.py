@@ -607,7 +607,7 @@ class Worqr:
             priority=priority,
         )
         (job,) = await self._submit(
-            queue, [check_task(payload)], given, choices, check_after(after, queue)
+            queue, [check_task(payload, "payload")], given, choices, check_after(after, queue)
         )
         return job
 
@@ -643,7 +643,7 @@ class Worqr:
             priority=priority,
         )
         return await self._submit(
-            queue, check_tasks(payloads), None, choices, check_after(after, queue)
+            queue, check_tasks(payloads, "payload"), None, choices, check_after(after, queue)
         )
 
     async def _submit(
@@ -761,9 +761,7 @@ class Worqr:
         """
         check_name(name)
         check_queue(queue)
-        if not isinstance(payload, str):
-            raise TypeError(f"payload must be a str, not {type(payload).__name__}")
-        check_plain_task(check_task(payload))
+        check_plain_task(check_task(payload, "payload"))
         check_sizes("payload", [payload], self._max_payload)
         choices = job_options(
             max_attempts=max_attempts,
@@ -1346,7 +1344,7 @@ class Worqr:
             self._scheduler.watch(queue)
             self._releaser.watch(queue)
             (due,) = await _ops.next_due(self._redis, self._keys, [queue])
-            self._promoter.note(queue, due)
+            await self._promoter.catch_up(queue, due)
         if waiting:
             await _ops.publish(self._redis, self._keys, queue, "work", message)
 
