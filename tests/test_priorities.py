@@ -10,7 +10,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from worqr import Process
+from worqr import Process, Worqr
 from worqr._levels import Picker
 
 from .helpers import Factory, consuming, eventually
@@ -57,6 +57,18 @@ async def test_strict_takes_the_highest_level_and_keeps_fifo_within(make: Factor
     assert stats.levels == {"high": 0, "normal": 0, "low": 0}
 
 
+async def strict_run(worker: Worqr, count: int) -> list[str]:
+    """The tasks a strict consumer of queue "q" runs, in order, until ``count`` ran."""
+    ran: list[str] = []
+
+    async def handler(process: Process) -> None:
+        ran.append(process.task)
+
+    async with consuming(worker, handler, queue="q", priority="strict"):
+        await eventually(lambda: len(ran) == count)
+    return ran
+
+
 async def test_strict_sees_overdue_high_jobs_before_its_first_take(make: Factory) -> None:
     """High jobs came due while no worker was on the queue, and a low task was queued
     meanwhile: a strict consumer that starts now runs the high jobs first (they are
@@ -65,14 +77,7 @@ async def test_strict_sees_overdue_high_jobs_before_its_first_take(make: Factory
     await producer.submit_many("q", ["h1", "h2"], delay=0.05, priority="high")
     await producer.enqueue("q", "l1", priority="low")
     await anyio.sleep(0.2)
-    ran: list[str] = []
-
-    async def handler(process: Process) -> None:
-        ran.append(process.task)
-
-    async with consuming(worker, handler, queue="q", priority="strict"):
-        await eventually(lambda: len(ran) == 3)
-    assert ran == ["h1", "h2", "l1"]
+    assert await strict_run(worker, 3) == ["h1", "h2", "l1"]
 
 
 async def test_weighted_serves_every_level_under_saturation(make: Factory) -> None:
@@ -208,14 +213,7 @@ async def test_levels_under_a_rate_limit(make: Factory) -> None:
     await producer.set_rate_limit("q", 100, 60)
     await producer.enqueue("q", ["n1", "n2"])
     await producer.enqueue("q", ["h1"], priority="high")
-    ran: list[str] = []
-
-    async def handler(process: Process) -> None:
-        ran.append(process.task)
-
-    async with consuming(worker, handler, queue="q", priority="strict"):
-        await eventually(lambda: len(ran) == 3)
-    assert ran == ["h1", "n1", "n2"]
+    assert await strict_run(worker, 3) == ["h1", "n1", "n2"]
 
 
 async def test_a_busy_strict_consumer_looks_before_taking_announced_work(make: Factory) -> None:
