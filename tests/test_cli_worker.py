@@ -336,13 +336,20 @@ async def test_a_queue_named_twice_is_worked_once(
         await stop(process)
 
 
+SURE = {**FAST, "worker_timeout": 2.0}
+"""FAST, with a lease that survives a test process starved for a second or so."""
+
+
 async def test_a_blocked_loop_a_refused_end_and_a_reclaim_are_warnings_in_the_default_output(
     app: Path, redis_url: str, prefix: str, peer: Worqr, tmp_path: Path
 ) -> None:
     """The handler that held the event loop is named once, with the worker_timeout it
     exceeded; the run whose end was refused says so, never ``done``; the reclaim of a
     dead worker's task shows without -v."""
-    dead = Worqr.from_url(redis_url, prefix=prefix, worker_id="w-gone", **FAST)
+    # A worker_timeout of 2 s, not FAST's 0.5 s: a test process starved for longer
+    # than that would see its own leases lost and hand the task back itself, and the
+    # reclaim this test looks for would never come.
+    dead = Worqr.from_url(redis_url, prefix=prefix, worker_id="w-gone", **SURE)
     await dead.start_worker()
     await dead.start_work("q")
     await dead.enqueue("q", "orphan")

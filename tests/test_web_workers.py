@@ -218,6 +218,30 @@ async def test_an_http_worker_whose_lease_was_lost_is_told_on_its_next_call(
     assert error_of(await client.post(f"/api/workers/{worker}/heartbeat")) == (404, "not_found")
 
 
+async def test_a_worker_whose_twin_the_watch_closed_for_a_lost_lease_is_told_so(
+    redis_url: str, real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    """The app's watch closes the twin of a worker whose lease was lost before the
+    worker calls again (a busy machine, a slow worker): its next call still says that
+    the lease was lost, not only that it is unknown here; the call after that, that
+    it is unknown; and it may register again under its id at once."""
+    peer = real_make()
+    await peer.enqueue("q", ["a"])
+    app = create_app(redis_url, prefix=prefix)
+    async with serving(app) as base, httpx.AsyncClient(base_url=base) as client:
+        worker = await register(client, "q", patience=60.0)
+        assert len(await take(client, worker, "q", 1)) == 1
+        await real_client.delete(f"{prefix}:w:{{{worker}}}:alive")  # as after a long stall
+        twins = app.state.http_workers._twins
+        await eventually(lambda: worker not in twins, within=30)  # the watch closed it
+        reply = await client.post(f"/api/workers/{worker}/heartbeat")
+        assert reply.status_code == 404 and "lost its lease" in reply.text, reply.text
+        reply = await client.post(f"/api/workers/{worker}/heartbeat")
+        assert error_of(reply) == (404, "not_found") and "lost its lease" not in reply.text
+        again = await client.post("/api/workers", json={"queues": ["q"], "worker_id": worker})
+        assert again.status_code == 201, again.text  # the retired twin freed its id
+
+
 async def test_leases_racing_a_leave_leave_nothing_held_by_the_departed(
     proxy: LatencyProxy, prefix: str, real_make: Factory
 ) -> None:

@@ -58,6 +58,9 @@ class HttpWorkers:
     def __init__(self) -> None:
         self._twins: dict[str, _Twin] = {}
         self._watcher: asyncio.Task[None] | None = None
+        self._fenced: dict[str, float] = {}
+        """Workers whose twin the watch closed for a lost lease, until when their next
+        call is told so (rather than only that they are unknown here)."""
 
     async def register(
         self, base: Worqr, queues: list[str], *, patience: float, worker_id: str | None
@@ -93,6 +96,7 @@ class HttpWorkers:
             raise
         held = _Twin(twin, patience, time.monotonic(), twin._epoch, anyio.Lock())
         self._twins[twin.worker_id] = held
+        self._fenced.pop(twin.worker_id, None)
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return twin
@@ -101,16 +105,14 @@ class HttpWorkers:
         """Note a call of ``worker_id``: 404 if it is not here, timed out, or lost its
         lease (then its twin goes: it must register again)."""
         held = self._twins.get(worker_id)
+        if held is None and self._fenced.pop(worker_id, 0.0) >= time.monotonic():
+            raise _lease_lost(worker_id)
         if held is None or time.monotonic() - held.seen > held.timeout:
             raise Problem("not_found", f"no live HTTP worker {worker_id!r} here: register again")
         if self._lapsed(held):
             del self._twins[worker_id]
             await self._retire(held)
-            raise Problem(
-                "not_found",
-                f"HTTP worker {worker_id!r} lost its lease (its processes go back to their"
-                " queues): register again",
-            )
+            raise _lease_lost(worker_id)
         held.seen = time.monotonic()
 
     async def lease(self, worker_id: str, queue: str, count: int) -> list[Process]:
@@ -176,16 +178,29 @@ class HttpWorkers:
             await held.worqr.shutdown(grace=0)
 
     async def _watch(self) -> None:
-        """Close the twin of every HTTP worker whose heartbeat stopped (peers reclaim)
-        or whose lease is lost; a close that fails is logged, and the watch goes on."""
+        """Close the twin of every HTTP worker whose heartbeat stopped (peers reclaim),
+        or retire it when its lease was lost (its next call is told so); a close that
+        fails is logged, and the watch goes on."""
         while self._twins:
             await anyio.sleep(CHECK_EVERY)
             now = time.monotonic()
+            self._fenced = {w: until for w, until in self._fenced.items() if until >= now}
             for worker_id, held in list(self._twins.items()):
-                if now - held.seen > held.timeout or held.worqr._lost:
+                silent = now - held.seen > held.timeout
+                if silent or self._lapsed(held):
                     del self._twins[worker_id]
+                    if not silent:  # still calling: its next call is told why
+                        self._fenced[worker_id] = now + held.timeout
                     try:
                         async with held.lock:
-                            await held.worqr.close()
+                            await (held.worqr.close() if silent else self._retire(held))
                     except Exception:
                         logger.exception("closing the twin of HTTP worker %s failed", worker_id)
+
+
+def _lease_lost(worker_id: str) -> Problem:
+    return Problem(
+        "not_found",
+        f"HTTP worker {worker_id!r} lost its lease (its processes go back to their queues):"
+        " register again",
+    )
