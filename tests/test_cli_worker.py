@@ -361,9 +361,12 @@ async def test_a_blocked_loop_a_refused_end_and_a_reclaim_are_warnings_in_the_de
     argv += ["--worker-id", "w-stall", "--heartbeat-interval", "0.2", "--worker-timeout", "1"]
     async with command([*argv, "--cleanup-interval", "0.3", "--grace", "0.2"], app, log) as process:
 
-        async def served() -> bool:
+        async def served() -> bool:  # the reclaim's line comes after its tasks are back
             text = log.read_text()
-            return "'orphan': done" in text and "'stall': done" in text
+            return all(
+                line in text
+                for line in ("'orphan': done", "'stall': done", "of dead worker w-gone")
+            )
 
         await eventually(served, within=40)
         await stop(process)

@@ -97,6 +97,7 @@ class HttpWorkers:
         held = _Twin(twin, patience, time.monotonic(), twin._epoch, anyio.Lock())
         self._twins[twin.worker_id] = held
         self._fenced.pop(twin.worker_id, None)
+        self._prune_fenced()
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return twin
@@ -130,6 +131,10 @@ class HttpWorkers:
                 return await held.worqr._take(queue, count)
             except Throttled:
                 return []
+
+    def _prune_fenced(self) -> None:
+        now = time.monotonic()
+        self._fenced = {w: until for w, until in self._fenced.items() if until >= now}
 
     @staticmethod
     def _lapsed(held: _Twin) -> bool:
@@ -180,14 +185,18 @@ class HttpWorkers:
     async def _watch(self) -> None:
         """Close the twin of every HTTP worker whose heartbeat stopped (peers reclaim),
         or retire it when its lease was lost (its next call is told so); a close that
-        fails is logged, and the watch goes on."""
+        fails is logged, and the watch goes on. A lease merely overdue is left to the
+        worker's next call: a late heartbeat reply clears it, and a twin closed on it
+        would let peers reclaim processes the worker still runs."""
         while self._twins:
             await anyio.sleep(CHECK_EVERY)
-            now = time.monotonic()
-            self._fenced = {w: until for w, until in self._fenced.items() if until >= now}
+            self._prune_fenced()
             for worker_id, held in list(self._twins.items()):
+                if self._twins.get(worker_id) is not held:  # left, or registered anew,
+                    continue  # while an earlier twin of this pass was being closed
+                now = time.monotonic()
                 silent = now - held.seen > held.timeout
-                if silent or self._lapsed(held):
+                if silent or held.worqr._epoch != held.epoch or held.worqr._lost:
                     del self._twins[worker_id]
                     if not silent:  # still calling: its next call is told why
                         self._fenced[worker_id] = now + held.timeout
