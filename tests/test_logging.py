@@ -120,6 +120,7 @@ async def test_the_reclaim_of_a_dead_workers_tasks_is_a_warning(
 UNREACHABLE = "Redis unreachable"
 BACK = "Redis reachable again after "
 LEASES = ("worker lost its leases", "reclaimed ")
+LATE = "schedule tick(s) submitted late"  # a busy machine's news, not the outage's
 
 
 @pytest.mark.parametrize("route", ["loopback", "proxy"])
@@ -167,6 +168,7 @@ async def test_an_outage_logs_one_warning_as_it_starts_and_one_with_the_count_as
             if r.levelno >= logging.WARNING
             and r.worker_id == worker.worker_id  # type: ignore[attr-defined]
             and not r.getMessage().startswith(LEASES)  # a lease lost: news of its own
+            and LATE not in r.getMessage()
         ]
         assert len(warnings) == 2, warnings
         assert warnings[0].startswith(UNREACHABLE), warnings
