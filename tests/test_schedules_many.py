@@ -89,4 +89,5 @@ async def test_ticks_a_busy_worker_reaches_late_are_submitted_and_counted(
     ]
     (info,) = await worqr.get_schedules()
     assert info.late >= 4 and info.skipped == 0
-    assert (await fire(worqr._redis, worqr._keys, "q", "busy")).submitted == []
+    again = await fire(worqr._redis, worqr._keys, "q", "busy")  # none of those again; the
+    assert all(_tick_ms(job_id) > last + 5000 for job_id in again.submitted)  # next may be due
