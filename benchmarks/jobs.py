@@ -445,6 +445,15 @@ def section(results: Results, meta: dict[str, Any], libraries: list[str]) -> str
     return "\n".join(lines)
 
 
+def against_target(what: str, value: float, where: str) -> str:
+    """The line of one p99 lateness held against `TARGET_MS` (``where`` it applies)."""
+    verdict = "met" if value <= TARGET_MS else "not met"
+    return (
+        f"- Lateness p99 {what}: {value:.2f} ms; target <= {TARGET_MS:g} ms{where}:"
+        f" {verdict} in this run."
+    )
+
+
 def targets(results: Results, sizes: Sizes) -> list[str]:
     """Issue 12's target for promotion, with what this run measured."""
     lines = []
@@ -458,18 +467,11 @@ def targets(results: Results, sizes: Sizes) -> list[str]:
                 "an idle fleet; at this rate the fleet is busy (see the settings)."
             )
             continue
-        verdict = "met" if value <= TARGET_MS else "not met"
-        lines.append(
-            f"- Lateness p99 at {rate:,} delayed jobs/s: {value:.2f} ms; target <= "
-            f"{TARGET_MS:g} ms on an idle fleet: {verdict} in this run."
-        )
+        lines.append(against_target(f"at {rate:,} delayed jobs/s", value, " on an idle fleet"))
     value = results.median("worqr", "idle_p99_ms")
     if value is not None:
-        verdict = "met" if value <= TARGET_MS else "not met"
-        lines.append(
-            f"- Lateness p99 of {sizes.idle} delayed jobs submitted back to back to an idle "
-            f"worker: {value:.2f} ms; target <= {TARGET_MS:g} ms: {verdict} in this run."
-        )
+        what = f"of {sizes.idle} delayed jobs submitted back to back to an idle worker"
+        lines.append(against_target(what, value, ""))
     value = results.median("worqr", "live_p99_ms")
     if value is not None:
         lines.append(

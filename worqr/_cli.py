@@ -1,4 +1,6 @@
 """The ``worqr`` command line: inspect, act on and work queues from a terminal.
+(Over 800 lines: its verbs move to modules of their own in `cli/` with the package's
+move to layers.)
 
 Exit codes: 0 success; 1 the operation failed (Redis unreachable, refused, a check
 that found problems, an unknown queue or job, a job that failed under submit --wait);

@@ -1,4 +1,7 @@
 """The atomic operations: the only code that writes to Redis.
+(Over 800 lines: one module per transition is the package's move to layers, `_ops/`,
+which is its own step with behaviour unchanged; until then the sections below are
+those modules.)
 
 One function per transition. Each docstring names the keys it touches and the
 numbered commands it runs, as drawn in docs/diagrams/. Every MULTI/EXEC block
@@ -1327,7 +1330,7 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
 
 
 def _reached(score: Any, now: int) -> bool:
-    """Whether a delayed entry's score (None: gone) is ``now`` or earlier. A score that
+    """Whether a delayed entry's score (None: gone) is ``now`` or earlier. A score
     below any time (``-inf``: nothing worqr writes) counts as reached: the entry moves
     as any due one does, rather than hold the head of the set, and every promotion
     behind it, for good."""
@@ -3311,7 +3314,9 @@ def _first_due(reply: Any) -> int | None:
     pairs = [] if is_wrong_type(reply) else _pairs(reply)
     if not pairs:
         return None
-    return 0 if _reached(pairs[0][1], -(2**53)) else _ms(pairs[0][1])
+    score = pairs[0][1]
+    ms = _ms(score)
+    return 0 if ms is None and _reached(score, 0) else ms
 
 
 def _ms(score: Any) -> int | None:

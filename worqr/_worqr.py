@@ -1,6 +1,7 @@
 """`Worqr`: the object users hold. It validates input, keeps this peer's local
 state (worker, queues worked on, processes held, consumers) and delegates every
-write to `_ops`."""
+write to `_ops`. (Over 800 lines: the worker runtime moves out to `_peer/` with the
+package's move to layers, leaving a thin facade.)"""
 
 from __future__ import annotations
 
