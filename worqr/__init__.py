@@ -24,8 +24,8 @@ from ._errors import WorkerNotStartedError as WorkerNotStartedError
 from ._errors import WorqrError as WorqrError
 from ._events import Subscribed as Subscribed
 from ._flow import RateLimit as RateLimit
+from ._job import Job as Job
 from ._jobs import Backoff as Backoff
-from ._jobs import Job as Job
 from ._jobs import JobInfo as JobInfo
 from ._jobs import JobStatus as JobStatus
 from ._jobs import Retry as Retry

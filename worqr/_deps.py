@@ -14,38 +14,11 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ._envelope import check_job_id
-from ._jobs import Job
-
 MAX_DEPENDENCIES = 1000
 """The most ids one job may wait for."""
 
 LIVE = frozenset({"waiting", "queued", "delayed"})
 """The states of a record whose life has not ended (a running job's is ``queued``)."""
-
-
-def check_after(after: object, queue: str) -> list[str]:
-    """The ids of ``after`` (a sequence of job ids or `Job` handles of ``queue``, or
-    None), each once, in order."""
-    if after is None:
-        return []
-    if isinstance(after, str | bytes) or not isinstance(after, Sequence):
-        raise TypeError(f"after must be a list of job ids, not {type(after).__name__}")
-    ids = list(dict.fromkeys(_id_of(item, queue) for item in after))
-    if len(ids) > MAX_DEPENDENCIES:
-        raise ValueError(f"a job may wait for at most {MAX_DEPENDENCIES} jobs, not {len(ids)}")
-    return ids
-
-
-def _id_of(item: object, queue: str) -> str:
-    if isinstance(item, Job):
-        if item.queue != queue:
-            raise ValueError(
-                f"job {item.id!r} is of queue {item.queue!r}: a job waits only for jobs"
-                f" of its own queue ({queue!r})"
-            )
-        return item.id
-    return check_job_id(item)
 
 
 def encode(waits: Mapping[str, str]) -> str:

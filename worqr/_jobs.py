@@ -8,7 +8,6 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ._envelope import MAX_SECONDS, MAX_UNIX_MS, Envelope, Header, new_job_id, wrap
 from ._errors import WorqrError
@@ -16,8 +15,6 @@ from ._levels import check_priority
 
 _RANDOM = random.Random()  # not the module's generator, which the application owns
 
-if TYPE_CHECKING:
-    from ._worqr import Worqr
 
 
 MAX_ATTEMPTS = 1_000_000
@@ -133,53 +130,6 @@ class JobInfo:
     finished_at: float | None
     after: tuple[str, ...] = ()
     """The ids a waiting job still waits for (those found live when last judged)."""
-
-
-class Job:
-    """A handle on a job: its id and queue, and calls that read or change it from any
-    peer. Made by `Worqr.submit` or, from an id alone, by `Worqr.job` (no I/O)."""
-
-    __slots__ = ("_worqr", "id", "queue")
-
-    def __init__(self, worqr: Worqr, queue: str, job_id: str) -> None:
-        self._worqr = worqr
-        self.queue = queue
-        self.id = job_id
-
-    def __repr__(self) -> str:
-        return f"Job(queue={self.queue!r}, id={self.id!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Job) and (other.queue, other.id) == (self.queue, self.id)
-
-    def __hash__(self) -> int:
-        return hash((self.queue, self.id))
-
-    async def result(self, timeout: float | None = None) -> str | None:
-        """Wait for the job to end and return what its handler returned.
-
-        Raises `JobFailedError` if it ended in the failed list (or was cancelled),
-        `TimeoutError` if ``timeout`` seconds pass first, and `JobFailedError` too if
-        the job is unknown (never submitted, deleted, or its outcome expired). No
-        polling: it listens on the queue's ``done`` channel, and reads the stored
-        outcome once subscribed (a job that ended before the call returns at once).
-        """
-        return await self._worqr._job_result(self.queue, self.id, timeout)
-
-    async def status(self) -> JobStatus:
-        """Where the job is now (`JobStatus.UNKNOWN` if never seen or expired)."""
-        info = await self.info()
-        return JobStatus.UNKNOWN if info is None else info.status
-
-    async def info(self) -> JobInfo | None:
-        """The job's record, None if unknown."""
-        return await self._worqr._job_info(self.queue, self.id)
-
-    async def cancel(self) -> bool:
-        """Remove the job if it is waiting, queued or delayed, else cancel its running attempt
-        (the ``cancel`` event). Either way it ends as failed with the error
-        ``cancelled``. False if it had already ended (or is unknown)."""
-        return await self._worqr._cancel_job(self.queue, self.id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,6 @@ from ._connections import (
 )
 from ._consumer import Consumer, Handler
 from ._delayed import Promoter
-from ._deps import check_after
 from ._envelope import check_job_id, check_plain_task, is_envelope
 from ._errors import (
     BackendError,
@@ -55,7 +54,8 @@ from ._errors import (
 from ._events import Events, Subscribed
 from ._flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
 from ._handlers import check_handler
-from ._jobs import Backoff, Job, JobInfo, JobStatus
+from ._job import Job, JobCalls, check_after
+from ._jobs import Backoff, JobInfo, JobStatus
 from ._jobs import Options as JobOptions
 from ._jobs import options as job_options
 from ._keys import Keys
@@ -250,6 +250,7 @@ class Worqr:
         self._scheduler = Scheduler(self._redis, self._keys, self._clock, self._log, self._reach)
         self._releaser = Releaser(self._redis, self._keys, self._log, self._reach)
         self._results = Results(self._events)
+        self._job_calls = JobCalls(self._job_result, self._job_info, self._cancel_job)
         self._jobs_on = False  # the prefix is known to be at protocol 3
         self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its timers' hook
 
@@ -671,7 +672,7 @@ class Worqr:
                 self._redis, self._once, self._keys, queue, jobs, check=check, wait=self._wait
             )
         self._require_replicas(confirmed, f"{len(jobs)} job(s) are submitted to {queue!r}")
-        return [Job(self, queue, envelope.header.id) for envelope in envelopes]
+        return [Job(self._job_calls, queue, envelope.header.id) for envelope in envelopes]
 
     async def _enable_jobs(self) -> None:
         """Move the prefix to protocol 3 before its first job, schedule, pause or rate
@@ -682,7 +683,7 @@ class Worqr:
 
     def job(self, queue: str, job_id: str) -> Job:
         """A handle on the job ``job_id`` of ``queue`` (no I/O: it need not exist)."""
-        return Job(self, check_queue(queue), check_job_id(job_id))
+        return Job(self._job_calls, check_queue(queue), check_job_id(job_id))
 
     async def get_delayed(self, queue: str, limit: int = 1000) -> list[tuple[float, str]]:
         """The queue's delayed jobs (retries waiting out their backoff included), next
