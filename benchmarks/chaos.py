@@ -107,7 +107,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worqr import BackendUnavailableError, Process, Worqr
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedServer
 
 from . import chaos_jobs

@@ -56,8 +56,8 @@ import anyio.abc
 from redis.asyncio import Redis
 
 from worqr import Backoff, DuplicateTaskError, JobFailedError, JobInfo, Process, Retry, Worqr
-from worqr._keys import Keys
-from worqr._names import parse_process_id
+from worqr._layout.keys import Keys
+from worqr._layout.names import parse_process_id
 
 JOB_RUNS = "chaos-record:job-runs"  # HASH run id -> JSON: job, attempt, process, start
 JOB_ENDS = "chaos-record:job-ends"  # HASH run id -> JSON: how the run ended, and when

@@ -41,7 +41,7 @@ from redis import Redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from worqr import Process, Worqr
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedCluster, EmbeddedServer, find_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent

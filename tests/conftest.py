@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from worqr import Worqr
-from worqr._connections import Client
+from worqr._redis.connections import Client
 from worqr.testing import EmbeddedServer
 
 from .helpers import RELAXED, Factory

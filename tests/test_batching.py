@@ -13,9 +13,9 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr, _ops
-from worqr._batch import GroupCommit
-from worqr._keys import Keys
-from worqr._names import parse_process_id
+from worqr._layout.keys import Keys
+from worqr._layout.names import parse_process_id
+from worqr._redis.batch import GroupCommit
 from worqr.testing import EmbeddedServer
 
 from .helpers import Factory, eventually, raw_keys
@@ -23,8 +23,8 @@ from .helpers import Factory, eventually, raw_keys
 
 async def test_dequeue_takes_up_to_count_in_queue_order(client: Redis, prefix: str) -> None:
     keys = Keys(prefix)
-    await _ops.enqueue(client, keys, "jobs", ["a", "b", "c"])
-    taken = await _ops.dequeue(client, client, keys, "w1", "jobs", 5)
+    await _ops.enqueue.enqueue(client, keys, "jobs", ["a", "b", "c"])
+    taken = await _ops.dequeue.dequeue(client, client, keys, "w1", "jobs", 5)
     assert [p.task for p in taken] == ["a", "b", "c"]
     ids = [p.id for p in taken]
     assert ids == sorted(ids)  # time-ordered, so a reclaim restores queue order
@@ -33,21 +33,21 @@ async def test_dequeue_takes_up_to_count_in_queue_order(client: Redis, prefix: s
     assert state[f"{prefix}:q:{{jobs}}:holders"] == ["w1"]
     for process in taken:
         assert state[f"{prefix}:q:{{jobs}}:p:{process.id}"] == [process.task]
-    assert await _ops.dequeue(client, client, keys, "w1", "jobs", 5) == []
+    assert await _ops.dequeue.dequeue(client, client, keys, "w1", "jobs", 5) == []
 
 
 async def test_finish_many_ends_all_and_publishes_done_on_its_channel(
     client: Redis, prefix: str
 ) -> None:
     keys = Keys(prefix)
-    await _ops.enqueue_unique(client, keys, "jobs", ["a", "b"])
+    await _ops.enqueue.enqueue_unique(client, keys, "jobs", ["a", "b"])
     await client.hset(keys.deaths("jobs"), hashlib.sha1(b"a").hexdigest(), 1)
-    taken = await _ops.dequeue(client, client, keys, "w1", "jobs", 2)
+    taken = await _ops.dequeue.dequeue(client, client, keys, "w1", "jobs", 2)
     async with client.pubsub() as pubsub:
         await pubsub.subscribe(keys.done("jobs"))
         await pubsub.get_message(timeout=1)  # the subscribe confirmation
         done = [(taken[0], "ra"), (taken[1], None)]
-        assert await _ops.finish_many(client, keys, "w1", "jobs", done) == [True, True]
+        assert await _ops.end.finish_many(client, keys, "w1", "jobs", done) == [True, True]
         message = await pubsub.get_message(timeout=1)
     assert message and message["data"].startswith("done:")
     assert json.loads(message["data"].partition(":")[2]) == [  # one message for the batch
@@ -61,10 +61,12 @@ async def test_finish_many_ends_all_and_publishes_done_on_its_channel(
 
 async def test_finish_many_is_fenced_per_process(client: Redis, prefix: str) -> None:
     keys = Keys(prefix)
-    await _ops.enqueue_unique(client, keys, "jobs", ["a", "b", "c"])
-    a, b, c = await _ops.dequeue(client, client, keys, "w1", "jobs", 3)
-    await _ops.stop(client, keys, parse_process_id(b.id))  # b went back meanwhile
-    results = await _ops.finish_many(client, keys, "w1", "jobs", [(a, None), (b, None), (c, None)])
+    await _ops.enqueue.enqueue_unique(client, keys, "jobs", ["a", "b", "c"])
+    a, b, c = await _ops.dequeue.dequeue(client, client, keys, "w1", "jobs", 3)
+    await _ops.stop.stop(client, keys, parse_process_id(b.id))  # b went back meanwhile
+    results = await _ops.end.finish_many(
+        client, keys, "w1", "jobs", [(a, None), (b, None), (c, None)]
+    )
     assert results == [True, False, True]
     state = await raw_keys(client, prefix)
     assert state[f"{prefix}:q:{{jobs}}:tasks"] == ["b"]
@@ -74,10 +76,10 @@ async def test_finish_many_is_fenced_per_process(client: Redis, prefix: str) -> 
 
 async def test_finish_many_refuses_another_workers_processes(client: Redis, prefix: str) -> None:
     keys = Keys(prefix)
-    await _ops.enqueue(client, keys, "jobs", ["a"])
-    (a,) = await _ops.dequeue(client, client, keys, "w1", "jobs", 1)
+    await _ops.enqueue.enqueue(client, keys, "jobs", ["a"])
+    (a,) = await _ops.dequeue.dequeue(client, client, keys, "w1", "jobs", 1)
     with pytest.raises(ValueError, match="w2"):
-        await _ops.finish_many(client, keys, "w2", "jobs", [(a, None)])
+        await _ops.end.finish_many(client, keys, "w2", "jobs", [(a, None)])
     assert (await raw_keys(client, prefix))[f"{prefix}:q:{{jobs}}:p:{a.id}"] == ["a"]
 
 

@@ -21,9 +21,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worqr import Process, Worqr, _ops, _ops_block, _wire
-from worqr._keys import Keys
-from worqr._names import new_process_id
+from worqr import Process, Worqr, _ops
+from worqr._layout.keys import Keys
+from worqr._layout.names import new_process_id
+from worqr._ops import block as _ops_block
+from worqr._redis import wire as _wire
 from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, Factory, eventually, raw_keys, reap
@@ -176,13 +178,13 @@ async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
             limit=5,
         )
         assert armed.lapsed and armed.corrupt is None  # it had no heartbeat before
-        assert await _ops.fail_worker(real_client, keys, "w9", only_if_dead=True) is None
+        assert await _ops.workers.fail_worker(real_client, keys, "w9", only_if_dead=True) is None
         assert await real_client.sismember(keys.blocking("q", "w9"), pid)
         await real_client.rpush(keys.tasks("q"), "T1")  # the block moves it
         done = await _ops_block.outcome(connection, keys, "w9", "q", 0.2)
         assert done.task == "T1" and not done.leveled
         await eventually(lambda: _expired(real_client, keys.heartbeat("w9")))
-        failed = await _ops.fail_worker(real_client, keys, "w9", only_if_dead=True)
+        failed = await _ops.workers.fail_worker(real_client, keys, "w9", only_if_dead=True)
         assert failed is not None and failed.reclaimed["q"].returned == ["T1"]
         assert await real_client.lrange(keys.tasks("q"), 0, -1) == ["T1"]
     finally:

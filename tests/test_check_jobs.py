@@ -9,8 +9,9 @@ from typing import Any
 import anyio
 import pytest
 
-from worqr import JobFailedError, JobStatus, Process, Retry, Worqr, _check, _ops
-from worqr._ops import Client
+from worqr import JobFailedError, JobStatus, Process, Retry, Worqr, _ops
+from worqr._ops import check as _check
+from worqr._redis.connections import Client
 
 from .helpers import Factory, eventually
 
@@ -81,10 +82,10 @@ async def test_a_job_submitted_while_check_reads_is_no_dangling_entry(
     worqr = make()
     await worqr.submit("jobs", "x", job_id="new")
     # As the SCAN that ran before the submit saw it: an index entry, no record yet.
-    looked = await _check._dangling(client, worqr._keys, [("jobs", "new"), ("jobs", "gone")])
+    looked = await _check._dangling(client, worqr._layout.keys, [("jobs", "new"), ("jobs", "gone")])
     assert looked == []  # "gone" is not indexed either: nothing dangles
     await client.zadd(f"{prefix}:q:{{jobs}}:jobs", {"gone": float("inf")})
-    looked = await _check._dangling(client, worqr._keys, [("jobs", "new"), ("jobs", "gone")])
+    looked = await _check._dangling(client, worqr._layout.keys, [("jobs", "new"), ("jobs", "gone")])
     assert looked == [("jobs", "gone")]
 
 
@@ -172,10 +173,10 @@ async def test_the_lost_job_repair_never_ends_a_job_handed_back_between_its_look
     job = await admin.submit("q", "payload", max_attempts=3)
     process = await worker.dequeue("q")
     assert process is not None and process.job_id == job.id
-    beside = _ops._beside
+    beside = _ops.commands._beside
     handed_back = False
 
-    async def racing(pipe: Any, commands: Sequence[_ops.Command]) -> list[Any]:
+    async def racing(pipe: Any, commands: Sequence[_ops.commands.Command]) -> list[Any]:
         nonlocal handed_back
         if not handed_back and commands and str(commands[0][1]).endswith(":holders"):
             handed_back = True  # after the look in the task list, before the process lists
@@ -184,6 +185,6 @@ async def test_the_lost_job_repair_never_ends_a_job_handed_back_between_its_look
 
     monkeypatch.setattr(_ops, "_beside", racing)
     now = await admin._clock.now_ms(admin._redis)
-    assert not await _ops.end_lost_job(admin._redis, admin._keys, "q", job.id, now)
+    assert not await _ops.repairs.end_lost_job(admin._redis, admin._keys, "q", job.id, now)
     assert handed_back
     assert await job.status() == JobStatus.QUEUED

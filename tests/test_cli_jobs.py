@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import JobFailedError, JobStatus, Process, Worqr
-from worqr._envelope import unwrap
+from worqr._layout.envelope import unwrap
 from worqr.testing import EmbeddedServer
 
 from .helpers import eventually

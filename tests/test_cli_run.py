@@ -21,7 +21,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Worqr
-from worqr._run import _parent_death_hook, serve
+from worqr.cli.run import _parent_death_hook, serve
 
 from .helpers import eventually
 
@@ -64,9 +64,9 @@ class Run:
 PLAIN_ASYNCIO = [
     sys.executable,
     "-c",
-    "import sys; sys.modules['uvloop'] = None; from worqr._cli import main; sys.exit(main())",
+    "import sys; sys.modules['uvloop'] = None; from worqr.cli.main import main; sys.exit(main())",
 ]
-"""The command line on the standard asyncio loop: with uvloop hidden, `worqr._loop.run`
+"""The command line on the standard asyncio loop: with uvloop hidden, `worqr.cli.loop.run`
 does not pick it."""
 
 

@@ -20,7 +20,7 @@ from redis.crc import key_slot
 
 from worqr import BackendError, BackendUnavailableError, Worqr
 from worqr._errors import redis_boundary
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedCluster, EmbeddedServer
 
 from .helpers import FAST, eventually, reap

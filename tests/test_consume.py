@@ -380,7 +380,7 @@ async def test_shutdown_tries_again_to_hand_back_when_the_server_was_unreachable
     await worker.start_work("jobs")
     await peer.enqueue("jobs", ["a", "b"])
     assert await worker.dequeue("jobs") is not None
-    real, tries = _ops.fail_worker, []
+    real, tries = _ops.workers.fail_worker, []
 
     async def cut_once(*args: object, **kwargs: object) -> object:
         tries.append(args[2])

@@ -26,10 +26,10 @@ from worqr import (
     Process,
     Worqr,
     _ops,
-    _ops_deps,
 )
-from worqr._deps import MAX_DEPENDENCIES, MAX_ERROR
-from worqr._wire import Watching, Wire
+from worqr._layout.deps import MAX_DEPENDENCIES, MAX_ERROR
+from worqr._ops import deps as _ops_deps
+from worqr._redis.wire import Watching, Wire
 
 from .helpers import Factory, eventually, raw_keys
 from .helpers import consuming as consuming_queue
@@ -55,7 +55,7 @@ async def end_unreleased(peer: Worqr, job_id: str) -> None:
     """Cancel a job by the operation alone: its dependents wait in ``released`` for
     a worker (`Worqr`'s cancel would release them at once)."""
     now = round(time.time() * 1000)
-    assert await _ops.cancel_job(peer._redis, peer._keys, Q, job_id, now)
+    assert await _ops.cancel.cancel_job(peer._redis, peer._keys, Q, job_id, now)
 
 
 def key(prefix: str, kind: str, rest: str = "") -> str:

@@ -13,8 +13,8 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import ClosedError, CorruptDataError, DuplicateTaskError, PermissionDeniedError, Worqr
-from worqr._batch import GroupCommit
-from worqr._connections import Client
+from worqr._redis.batch import GroupCommit
+from worqr._redis.connections import Client
 
 from .helpers import Factory
 from .proxy import LatencyProxy

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from worqr import Worqr
-from worqr._keys import Keys
-from worqr._ops import DONE_FIELD_LIMIT, done_messages, done_record
+from worqr._layout.keys import Keys
+from worqr._ops.writes import DONE_FIELD_LIMIT, done_messages, done_record
 from worqr.testing import EmbeddedServer
 
 from .helpers import RELAXED, Factory, eventually

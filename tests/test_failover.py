@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worqr import Process, ReplicationError, Worqr, WorqrError
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedCluster, EmbeddedSentinel, EmbeddedServer
 
 from .helpers import eventually

@@ -28,7 +28,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from worqr import CheckReport, JobStatus, Process, RateLimit, Worqr
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedCluster, EmbeddedSentinel
 
 Step = Callable[[Worqr, str, Any], Awaitable[Any]]

@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
-from worqr._flow import RateLimit
+from worqr._layout.flow import RateLimit
 
 from .helpers import Factory, consuming, eventually
 from .proxy import LatencyProxy

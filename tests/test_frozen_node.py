@@ -30,8 +30,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from worqr import Process, Worqr, WorqrError
-from worqr._events import DETECTION_BOUND
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
+from worqr._peer.events import DETECTION_BOUND
 from worqr.testing import EmbeddedCluster, EmbeddedSentinel, EmbeddedServer
 
 from .helpers import eventually

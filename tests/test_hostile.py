@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import CorruptDataError, Process, Worqr
-from worqr._ops import Client
+from worqr._redis.connections import Client
 
 from .helpers import FAST, Factory, eventually
 from .proxy import LatencyProxy

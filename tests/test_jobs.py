@@ -24,7 +24,7 @@ from redis.asyncio.retry import Retry as Resend
 from redis.backoff import NoBackoff
 
 import worqr._ops
-import worqr._wire
+import worqr._redis.wire
 from worqr import (
     BackendError,
     BackendUnavailableError,
@@ -40,8 +40,8 @@ from worqr import (
     Retry,
     Worqr,
 )
-from worqr._clock import ServerClock
-from worqr._connections import Client
+from worqr._redis.clock import ServerClock
+from worqr._redis.connections import Client
 
 from .helpers import FAST, RELAXED, Factory, Handler, eventually, raw_keys
 from .helpers import consuming as consuming_queue
@@ -1319,16 +1319,18 @@ async def test_a_promotion_moves_what_the_servers_time_reached_whatever_the_gues
     later = await admin.submit(Q, "later", delay=30)
     await anyio.sleep(0.1)
     sent: list[int] = []
-    exchange = worqr._wire.exchange
+    exchange = worqr._redis.wire.exchange
 
     async def counted(connection: Any, commands: Any) -> Any:
         sent.append(len(commands))
         return await exchange(connection, commands)
 
-    monkeypatch.setattr(worqr._wire, "exchange", counted)
+    monkeypatch.setattr(worqr._redis.wire, "exchange", counted)
     now = await server_time(real_client)
-    done = await worqr._ops.promote(admin._redis, admin._keys, Q, round((now + guess) * 1000))
-    monkeypatch.setattr(worqr._wire, "exchange", exchange)
+    done = await worqr._ops.promote.promote(
+        admin._redis, admin._keys, Q, round((now + guess) * 1000)
+    )
+    monkeypatch.setattr(worqr._redis.wire, "exchange", exchange)
     assert done.moved == len(due)
     assert len(sent) == (4 if guess < 0 else 3)
     assert len(await admin.get_tasks(Q)) == len(due)
@@ -1353,7 +1355,7 @@ async def test_a_guess_behind_the_server_reads_again_past_a_long_head(
         assert len(await admin.get_delayed(Q)) == 601
         await anyio.sleep(max(0.0, last_due + 0.1 - await server_time(admin._redis)))
         guess = round((first_due + last_due) / 2 * 1000)  # between the two due times
-        done = await worqr._ops.promote(admin._redis, admin._keys, Q, guess)
+        done = await worqr._ops.promote.promote(admin._redis, admin._keys, Q, guess)
         assert (done.moved, done.next_due_ms) == (601, None)
         assert await admin.get_delayed(Q) == []
 
@@ -1369,9 +1371,13 @@ async def test_entries_below_any_time_do_not_hold_the_delayed_set_back(
     delayed = admin._keys.delayed(Q)
     await real_client.zadd(delayed, {f"junk-{n}": float("-inf") for n in range(1200)})
     await anyio.sleep(0.1)
-    first = await worqr._ops.promote(admin._redis, admin._keys, Q, round(time.time() * 1000))
+    first = await worqr._ops.promote.promote(
+        admin._redis, admin._keys, Q, round(time.time() * 1000)
+    )
     assert first.moved == 1000 and first.next_due_ms == first.now_ms  # more are due
-    second = await worqr._ops.promote(admin._redis, admin._keys, Q, round(time.time() * 1000))
+    second = await worqr._ops.promote.promote(
+        admin._redis, admin._keys, Q, round(time.time() * 1000)
+    )
     assert (second.moved, second.next_due_ms) == (201, None)
     assert await job.status() == JobStatus.QUEUED
     assert len(await admin.get_tasks(Q)) == 1201
@@ -1391,7 +1397,7 @@ async def test_a_refused_read_is_a_backend_error_in_a_promotion_and_a_clock_samp
         host = redis_url.removeprefix("redis://")
         async with Worqr.from_url(f"redis://{user}:pw@{host}", prefix=prefix) as limited:
             with pytest.raises(BackendError, match=r"NOPERM|permission"):
-                await worqr._ops.promote(limited._redis, limited._keys, Q, 0)
+                await worqr._ops.promote.promote(limited._redis, limited._keys, Q, 0)
             with pytest.raises(BackendError, match=r"NOPERM|permission"):
                 await ServerClock().now_ms(limited._redis)
     finally:

@@ -4,7 +4,7 @@ server restart. Each test states the property it attacks; the ones that hold sta
 regression tests.
 
 Races are forced by pausing one side between its read and its EXEC (a wrapped
-`_ops.read`, or a gated audit), never by sleeping and hoping."""
+`_ops.commands.read`, or a gated audit), never by sleeping and hoping."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ from worqr import (
     Retry,
     Worqr,
 )
-from worqr._envelope import MARKER
-from worqr._names import new_process_id
+from worqr._layout.envelope import MARKER
+from worqr._layout.names import new_process_id
 from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, RELAXED, Factory, eventually, raw_keys
@@ -427,7 +427,7 @@ async def test_a_stray_process_of_a_cancelled_job_is_not_put_back(
     worker._audit_processes = gated  # type: ignore[method-assign,assignment]
     job = await producer.submit(Q, "x", job_id="s-1")
     # A dequeue for this worker that it never heard of: what a late EXEC leaves.
-    (stray,) = await worqr._ops.dequeue(
+    (stray,) = await worqr._ops.dequeue.dequeue(
         worker._redis, worker._once, worker._keys, worker.worker_id, Q
     )
     assert stray.job_id == "s-1"
@@ -883,11 +883,15 @@ async def test_a_huge_payload_and_result_round_trip_whole(real_make: Factory) ->
 async def paused_after(
     monkeypatch: pytest.MonkeyPatch, matches: Callable[[tuple[Any, ...]], bool]
 ) -> AsyncIterator[tuple[asyncio.Event, asyncio.Event]]:
-    """Pause the first `_ops.read` whose command ``matches`` (or `_ops.reads` or
-    `_ops._beside` whose first command does, or a `Watching.look` one of whose reads
+    """Pause the first `_ops.commands.read` whose command ``matches`` (or `_ops.commands.reads` or
+    `_ops.commands._beside` whose first command does, or a `Watching.look` one of whose reads
     does), after its reply: yields (paused, resume)."""
-    read, reads, beside = worqr._ops.read, worqr._ops.reads, worqr._ops._beside
-    look = worqr._wire.Watching.look
+    read, reads, beside = (
+        worqr._ops.commands.read,
+        worqr._ops.commands.reads,
+        worqr._ops.commands._beside,
+    )
+    look = worqr._redis.wire.Watching.look
     paused, resume = asyncio.Event(), asyncio.Event()
 
     async def pause_if(command: tuple[Any, ...]) -> None:
@@ -921,7 +925,7 @@ async def paused_after(
     monkeypatch.setattr(worqr._ops, "read", pausing)
     monkeypatch.setattr(worqr._ops, "reads", pausing_all)
     monkeypatch.setattr(worqr._ops, "_beside", pausing_beside)
-    monkeypatch.setattr(worqr._wire.Watching, "look", pausing_look)
+    monkeypatch.setattr(worqr._redis.wire.Watching, "look", pausing_look)
     try:
         yield paused, resume
     finally:
@@ -987,7 +991,7 @@ async def test_a_promotion_racing_a_cancel_does_not_queue_the_cancelled_job(
         async def promote() -> None:
             moved.append(
                 (
-                    await worqr._ops.promote(
+                    await worqr._ops.promote.promote(
                         admin._redis, admin._keys, Q, admin._clock.estimate_ms()
                     )
                 ).moved
@@ -1030,7 +1034,7 @@ async def test_a_promotion_gets_through_while_delayed_jobs_keep_coming(
             with anyio.fail_after(60):
                 await going.wait()
                 moved = (
-                    await worqr._ops.promote(
+                    await worqr._ops.promote.promote(
                         promoter._redis, promoter._keys, Q, promoter._clock.estimate_ms()
                     )
                 ).moved
@@ -1053,7 +1057,7 @@ async def test_taking_an_overdue_attempt_racing_its_finish_ends_it_once(
     job = await peer.submit(Q, "x", timeout=0.05, max_attempts=3, backoff=0)
     process = await worker.dequeue(Q)
     assert process is not None
-    ref = worqr._names.parse_process_id(process.id)
+    ref = worqr._layout.names.parse_process_id(process.id)
     async with (
         paused_after(monkeypatch, lambda c: c[0] == "LINDEX") as (paused, resume),
         anyio.create_task_group() as tg,
@@ -1062,7 +1066,9 @@ async def test_taking_an_overdue_attempt_racing_its_finish_ends_it_once(
 
         async def take() -> None:
             now = await server_ms(peer._redis)  # type: ignore[arg-type]
-            taken.append(await worqr._ops.take_overdue(peer._redis, peer._keys, ref, "late", now))
+            taken.append(
+                await worqr._ops.end.take_overdue(peer._redis, peer._keys, ref, "late", now)
+            )
 
         tg.start_soon(take)
         with anyio.fail_after(5):
@@ -1089,7 +1095,7 @@ async def test_a_deadline_recorded_after_its_queue_was_deleted_leaves_nothing_be
     worker, admin = real_make(), real_make()
     await worker.start_worker()
     await worker.start_work(Q)
-    set_deadlines = worqr._ops.set_deadlines
+    set_deadlines = worqr._ops.end.set_deadlines
     wrote: list[int] = []
 
     async def deleting_first(*args: Any) -> None:
@@ -1346,7 +1352,7 @@ async def test_a_waiter_arriving_while_its_done_channel_is_being_left_hears_the_
     (the job ending in that gap would never be heard, and result() never return)."""
     from redis.asyncio.client import PubSub
 
-    monkeypatch.setattr(worqr._results, "_LINGER", 0.05)
+    monkeypatch.setattr(worqr._peer.results, "_LINGER", 0.05)
     worker, producer, waiter = real_make(), real_make(), real_make()
     done_channel = key(prefix, "done")
     unsubscribing, resume = asyncio.Event(), asyncio.Event()

@@ -92,7 +92,9 @@ async def test_a_stray_process_of_a_cancelled_job_is_dropped_not_returned(
     await worker.start_worker()
     await worker.start_work("q")
     # A dequeue whose outcome this worker never learned: a stray, as after a lost reply.
-    [stray] = await _ops.dequeue(worker._redis, worker._once, worker._keys, worker.worker_id, "q")
+    [stray] = await _ops.dequeue.dequeue(
+        worker._redis, worker._once, worker._keys, worker.worker_id, "q"
+    )
     assert await job.cancel()
     await worker._audit_processes([stray.id], worker._audit_snapshot())
     assert await worker.get_tasks("q") == []

@@ -25,8 +25,8 @@ from redis.asyncio import Redis
 
 import worqr._ops
 from worqr import Backoff, JobFailedError, JobStatus, Process, ProtocolVersionError, Worqr
-from worqr._connections import Client
-from worqr._envelope import MARKER, Header, unwrap, wrap
+from worqr._layout.envelope import MARKER, Header, unwrap, wrap
+from worqr._redis.connections import Client
 
 from .helpers import FAST, RELAXED, Factory, eventually, raw_keys
 

@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from worqr import BackendUnavailableError, ClosedError, Worqr
-from worqr._lane import Lane
+from worqr._redis.lane import Lane
 from worqr.testing import EmbeddedServer
 
 from .proxy import LatencyProxy

@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
-from worqr._tasklog import talk
+from worqr.cli.tasklog import talk
 from worqr.testing import EmbeddedServer
 
 from .helpers import FAST, RELAXED, Factory, consuming, eventually

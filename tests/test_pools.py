@@ -20,14 +20,14 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 
 from worqr import BackendUnavailableError, Worqr
-from worqr._connections import (
+from worqr._layout.keys import Keys
+from worqr._redis.connections import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_POOL_TIMEOUT,
     WaitingCluster,
     WaitingPool,
     WaitingSentinelPool,
 )
-from worqr._keys import Keys
 from worqr.testing import EmbeddedSentinel, EmbeddedServer
 
 from .helpers import eventually

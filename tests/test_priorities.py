@@ -11,7 +11,7 @@ import anyio.lowlevel
 import pytest
 
 from worqr import Process, Worqr
-from worqr._levels import Picker
+from worqr._layout.levels import Picker
 
 from .helpers import Factory, consuming, eventually
 

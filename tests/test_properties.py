@@ -51,7 +51,7 @@ from worqr import (
     Worqr,
     WorqrError,
 )
-from worqr._names import parse_process_id
+from worqr._layout.names import parse_process_id
 
 from .helpers import eventually, raw_keys
 

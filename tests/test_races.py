@@ -16,9 +16,10 @@ import anyio.lowlevel
 import pytest
 from redis.asyncio import Redis
 
-from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _names, _ops
-from worqr._check import Problem
-from worqr._keys import Keys
+from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _ops
+from worqr._layout import names as _names
+from worqr._layout.keys import Keys
+from worqr._ops.check import Problem
 
 from .helpers import FAST, Factory, eventually, raw_keys, reap
 from .proxy import LatencyProxy
@@ -185,7 +186,7 @@ async def test_strays_returned_by_the_audit_keep_their_order(
     await worqr.start_work("jobs")
     await worqr.enqueue("jobs", ["t1", "t2", "t3", "t4"])
     # A dequeue this peer does not know of (its reply never came back):
-    await _ops.dequeue(real_client, real_client, Keys(prefix), worqr.worker_id, "jobs", 3)
+    await _ops.dequeue.dequeue(real_client, real_client, Keys(prefix), worqr.worker_id, "jobs", 3)
     assert await worqr.get_tasks("jobs") == ["t4"]
     await eventually(_tasks_are(worqr, "jobs", ["t1", "t2", "t3", "t4"]))
 
@@ -392,7 +393,7 @@ async def test_consume_racing_a_fail_or_stop_never_runs_unsupervised(
         await anyio.sleep(FAST["worker_timeout"] * 2)
         if not ended.is_set():
             assert worqr._consumers
-            assert worqr._supervisor is not None
+            assert worqr._peer.supervisor is not None
             assert "jobs" in worqr._working
             assert await real_client.exists(Keys(prefix).heartbeat(worqr.worker_id))
             assert await worqr.get_working_queues() == ["jobs"]
@@ -464,7 +465,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
     taken = await worker.dequeue("jobs")
     assert taken is not None
     stalled = anyio.Event()
-    real = _ops.finish_many if how == "finish" else _ops.fail
+    real = _ops.end.finish_many if how == "finish" else _ops.end.fail
 
     async def late(*args: object, **kwargs: object) -> object:
         """The stall, between the end's lease check and its write."""

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from worqr import Worqr, _ops
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 
 from .helpers import FAST, eventually
 
@@ -67,7 +67,7 @@ async def test_a_crash_between_the_registration_steps_leaves_no_key_behind(
     keys = Keys(fleet.prefix)
     worker_id = f"crashed-{uuid.uuid4().hex[:8]}"
     steps: list[str] = []
-    real_on_slot = _ops.on_slot  # type: ignore[attr-defined]
+    real_on_slot = _ops.on_slot  # MOVED:worqr._redis.connections  # type: ignore[attr-defined]
 
     registering: list[asyncio.Task[Any] | None] = []
 
@@ -83,7 +83,7 @@ async def test_a_crash_between_the_registration_steps_leaves_no_key_behind(
     monkeypatch.setattr(_ops, "on_slot", dies_after_one_step)
     registering.append(asyncio.current_task())
     with pytest.raises(_Crash):
-        await _ops.register_worker(cluster, keys, worker_id, 500, ["jobs"])
+        await _ops.workers.register_worker(cluster, keys, worker_id, 500, ["jobs"])
     monkeypatch.undo()
     assert len(steps) == 1, "register_worker no longer runs in slot steps: revise this test"
     left = await _leftovers(cluster, keys, worker_id)

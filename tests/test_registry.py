@@ -14,9 +14,10 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
-from worqr._keys import Keys
-from worqr._ops import Client, prune_queues
-from worqr._stats import LocalStats
+from worqr._layout.keys import Keys
+from worqr._ops.workers import prune_queues
+from worqr._peer.stats import LocalStats
+from worqr._redis.connections import Client
 from worqr.testing import EmbeddedServer
 
 from .helpers import Factory, eventually
@@ -163,7 +164,7 @@ async def test_a_worker_that_missed_a_delete_learns_of_it_on_reconnect(
         muted = _Muted(worker.prefix)
         from worqr import _ops
 
-        await _ops.delete_queue(admin._redis, admin._once, muted, "jobs")
+        await _ops.queues.delete_queue(admin._redis, admin._once, muted, "jobs")
         await anyio.sleep(0.3)
         assert await _working(worker, ["idle", "jobs"])  # the event never came
         await worker._after_reconnect()

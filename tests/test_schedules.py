@@ -11,8 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import JobStatus, Process, ScheduleInfo, Worqr
-from worqr._ops_schedules import fire
-from worqr._schedules import tick_id
+from worqr._layout.schedules import tick_id
+from worqr._ops.schedules import fire
 
 from .helpers import FAST, Factory, consuming, eventually
 from .proxy import LatencyProxy
@@ -137,7 +137,7 @@ async def _has_high(redis: Redis, prefix: str) -> bool:
 
 async def _stored(worqr: Worqr, redis: Redis, name: str, queue: str, **since: int) -> None:
     """Rewrite a schedule's record as if it was stored, or last ticked, long ago."""
-    key = worqr._keys.schedule(queue, name)
+    key = worqr._layout.keys.schedule(queue, name)
     await redis.hset(key, mapping={field: value for field, value in since.items()})
 
 
@@ -162,7 +162,7 @@ async def test_misfired_ticks_follow_the_rule(
     await worqr.schedule("hourly", "q", "p", every=3600, misfire=misfire)
     now = await _server_ms(real_client)
     await _stored(worqr, real_client, "hourly", "q", since=now - 5 * HOUR_MS - 1000)
-    done = await fire(worqr._redis, worqr._keys, "q", "hourly")
+    done = await fire(worqr._redis, worqr._layout.keys, "q", "hourly")
     assert len(done.submitted) == expected
     latest = now - now % HOUR_MS
     if expected:
@@ -170,7 +170,7 @@ async def test_misfired_ticks_follow_the_rule(
     assert await worqr.count_queue("q") == expected
     (info,) = await worqr.get_schedules()
     assert info.last_tick == latest / 1000  # handled, whether submitted or not
-    again = await fire(worqr._redis, worqr._keys, "q", "hourly")
+    again = await fire(worqr._redis, worqr._layout.keys, "q", "hourly")
     assert again.submitted == []
 
 
@@ -179,7 +179,7 @@ async def test_misfire_all_submits_at_most_100(real_make: Factory, real_client: 
     await worqr.schedule("fast", "q", "p", every=1, misfire="all")
     now = await _server_ms(real_client)
     await _stored(worqr, real_client, "fast", "q", since=now - 500_000)
-    done = await fire(worqr._redis, worqr._keys, "q", "fast")
+    done = await fire(worqr._redis, worqr._layout.keys, "q", "fast")
     assert len(done.submitted) == 100
     assert done.submitted == sorted(done.submitted)
     assert await worqr.count_queue("q") == 100
@@ -214,7 +214,7 @@ async def test_restoring_the_same_schedule_changes_nothing(
 ) -> None:
     worqr = real_make()
     await worqr.schedule("s", "q", "p", every=60)
-    key = worqr._keys.schedule("q", "s")
+    key = worqr._layout.keys.schedule("q", "s")
     since = await real_client.hget(key, "since")
     await anyio.sleep(0.01)
     await worqr.schedule("s", "q", "p", every=60)
@@ -296,7 +296,7 @@ def test_a_late_tick_of_a_long_period_schedule_whose_workers_live_is_submitted(
     after it), the workers live on; the next tick is reached ``late_ms`` late because
     they are busy. It passed while a worker lived: misfire must not apply, the tick is
     submitted (and counted late), not dropped unseen."""
-    from worqr._schedules import Definition
+    from worqr._layout.schedules import Definition
 
     schedule = Definition(
         payload="p", cron=None, every_ms=60_000, timezone="UTC", misfire="skip",

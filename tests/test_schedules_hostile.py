@@ -71,10 +71,10 @@ async def test_no_overlap_submits_one_of_many_missed_ticks(
     await worqr.schedule("one", "q", "p", every=1, misfire="all", overlap=False)
     seconds, micros = await real_client.time()
     now = int(seconds) * 1000 + int(micros) // 1000
-    await real_client.hset(worqr._keys.schedule("q", "one"), "since", now - 5500)
-    from worqr._ops_schedules import fire
+    await real_client.hset(worqr._layout.keys.schedule("q", "one"), "since", now - 5500)
+    from worqr._ops.schedules import fire
 
-    done = await fire(worqr._redis, worqr._keys, "q", "one")
+    done = await fire(worqr._redis, worqr._layout.keys, "q", "one")
     assert len(done.submitted) == 1
 
 

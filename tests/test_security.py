@@ -31,7 +31,7 @@ from worqr import (
     ServerStartError,
     Worqr,
 )
-from worqr._keys import Keys
+from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedServer, find_server_binary, free_port
 
 from .helpers import FAST, eventually

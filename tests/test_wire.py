@@ -1,4 +1,4 @@
-"""Commands on the wire without redis-py's pipeline object (`worqr._wire`): packed as
+"""Commands on the wire without redis-py's pipeline object (`worqr._redis.wire`): packed as
 redis-py packs them, replies raw and in order with errors in place, a transaction
 refused as a whole when a command is refused as it is queued, one time limit for all
 of an exchange's replies, and WATCH sessions that never leave a WATCH (or unread
@@ -22,9 +22,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worqr import _wire
 from worqr._errors import is_wrong_type
-from worqr._wire import (
+from worqr._redis import wire as _wire
+from worqr._redis.wire import (
     _parses_in_c,
     borrowed,
     exchange,

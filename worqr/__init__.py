@@ -1,7 +1,5 @@
 """worqr: a peer-supervised, reliable work queue for asyncio on Redis."""
 
-from ._check import CheckReport as CheckReport
-from ._check import Problem as Problem
 from ._errors import AuthenticationFailedError as AuthenticationFailedError
 from ._errors import BackendError as BackendError
 from ._errors import BackendUnavailableError as BackendUnavailableError
@@ -22,19 +20,21 @@ from ._errors import ReplicationError as ReplicationError
 from ._errors import ServerStartError as ServerStartError
 from ._errors import WorkerNotStartedError as WorkerNotStartedError
 from ._errors import WorqrError as WorqrError
-from ._events import Subscribed as Subscribed
-from ._flow import RateLimit as RateLimit
 from ._job import Job as Job
-from ._jobs import Backoff as Backoff
-from ._jobs import JobInfo as JobInfo
-from ._jobs import JobStatus as JobStatus
-from ._jobs import Retry as Retry
-from ._models import FailedTask as FailedTask
-from ._models import Listener as Listener
-from ._models import Process as Process
-from ._models import QueueStatistics as QueueStatistics
-from ._models import WorkerInfo as WorkerInfo
-from ._schedules import ScheduleInfo as ScheduleInfo
+from ._layout.flow import RateLimit as RateLimit
+from ._layout.jobs import Backoff as Backoff
+from ._layout.jobs import JobInfo as JobInfo
+from ._layout.jobs import JobStatus as JobStatus
+from ._layout.jobs import Retry as Retry
+from ._layout.models import FailedTask as FailedTask
+from ._layout.models import Listener as Listener
+from ._layout.models import Process as Process
+from ._layout.models import QueueStatistics as QueueStatistics
+from ._layout.models import WorkerInfo as WorkerInfo
+from ._layout.schedules import ScheduleInfo as ScheduleInfo
+from ._ops.check import CheckReport as CheckReport
+from ._ops.check import Problem as Problem
+from ._peer.events import Subscribed as Subscribed
 from ._worqr import Worqr as Worqr
 
 __version__ = "0.4.0"

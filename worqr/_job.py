@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from ._deps import MAX_DEPENDENCIES
-from ._envelope import check_job_id
-from ._jobs import JobInfo, JobStatus
+from ._layout.deps import MAX_DEPENDENCIES
+from ._layout.envelope import check_job_id
+from ._layout.jobs import JobInfo, JobStatus
 
 
 @dataclass(frozen=True, slots=True)

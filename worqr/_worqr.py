@@ -22,21 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 from typing_extensions import Self
 
-from . import _ops, _ops_block, _ops_deps, _ops_flow, _ops_schedules
-from ._batch import GroupCommit
-from ._check import CheckReport, Problem, inspect
-from ._clock import ServerClock
-from ._connections import (
-    Client,
-    blocking_client,
-    client_without_retries,
-    close_client,
-    decoding_client,
-    strict,
-)
-from ._consumer import Consumer, Handler
-from ._delayed import Promoter
-from ._envelope import check_job_id, check_plain_task, is_envelope
+from . import _ops
 from ._errors import (
     BackendError,
     BackendUnavailableError,
@@ -51,18 +37,15 @@ from ._errors import (
     WorkerNotStartedError,
     redis_boundary,
 )
-from ._events import Events, Subscribed
-from ._flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
-from ._handlers import check_handler
 from ._job import Job, JobCalls, check_after
-from ._jobs import Backoff, JobInfo, JobStatus
-from ._jobs import Options as JobOptions
-from ._jobs import options as job_options
-from ._keys import Keys
-from ._lane import Lane
-from ._levels import Picker, check_policy, check_priority
-from ._log import PeerLog
-from ._models import (
+from ._layout.envelope import check_job_id, check_plain_task, is_envelope
+from ._layout.flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
+from ._layout.jobs import Backoff, JobInfo, JobStatus
+from ._layout.jobs import Options as JobOptions
+from ._layout.jobs import options as job_options
+from ._layout.keys import Keys
+from ._layout.levels import Picker, check_policy, check_priority
+from ._layout.models import (
     FailedTask,
     Listener,
     Process,
@@ -71,7 +54,7 @@ from ._models import (
     readable,
     storable,
 )
-from ._names import (
+from ._layout.names import (
     MAX_PAYLOAD_BYTES,
     ProcessRef,
     check_failed_id,
@@ -88,15 +71,37 @@ from ._names import (
     parse_process_id,
     split_process_id,
 )
-from ._ops import members, read, text
-from ._reach import Reach
-from ._release import Releaser
-from ._results import Results, job_info
-from ._scheduler import Scheduler
-from ._schedules import ScheduleInfo, check_name, definition, stored_options
-from ._stats import LocalStats
-from ._supervisor import Supervisor
-from ._urls import Closable, connect
+from ._layout.schedules import ScheduleInfo, check_name, definition, stored_options
+from ._log import PeerLog
+from ._ops import block as _ops_block
+from ._ops import deps as _ops_deps
+from ._ops import flow as _ops_flow
+from ._ops import schedules as _ops_schedules
+from ._ops.check import CheckReport, Problem, inspect
+from ._ops.commands import read
+from ._peer.consumer import Consumer, Handler
+from ._peer.events import Events, Subscribed
+from ._peer.handlers import check_handler
+from ._peer.promoter import Promoter
+from ._peer.releaser import Releaser
+from ._peer.results import Results, job_info
+from ._peer.scheduler import Scheduler
+from ._peer.stats import LocalStats
+from ._peer.supervisor import Supervisor
+from ._redis.batch import GroupCommit
+from ._redis.clock import ServerClock
+from ._redis.connections import (
+    Client,
+    blocking_client,
+    client_without_retries,
+    close_client,
+    decoding_client,
+    strict,
+)
+from ._redis.lane import Lane
+from ._redis.reach import Reach
+from ._redis.replies import members, text
+from ._redis.urls import Closable, connect
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
 _UNREADABLE = "unreadable task: its bytes are not valid UTF-8 (kept as they were)"
@@ -299,15 +304,16 @@ class Worqr:
 
     async def _check_connection(self) -> None:
         """Credentials first, then the protocol version of the data under the prefix."""
-        found = await _ops.claim_protocol(self._redis, self._keys)
+        found = await _ops.inspect.claim_protocol(self._redis, self._keys)
         self._require_protocol(found)
-        self._jobs_on = found == _ops.PROTOCOL_VERSION
+        self._jobs_on = found == _ops.inspect.PROTOCOL_VERSION
 
     def _require_protocol(self, found: str) -> None:
-        if found not in _ops.PROTOCOLS:
+        if found not in _ops.inspect.PROTOCOLS:
             raise ProtocolVersionError(
                 f"the data under prefix {self.prefix!r} uses protocol {found!r}; this "
-                f"worqr speaks protocols {_ops.PLAIN_PROTOCOL!r} and {_ops.PROTOCOL_VERSION!r}"
+                f"worqr speaks protocols {_ops.inspect.PLAIN_PROTOCOL!r} and"
+                f" {_ops.inspect.PROTOCOL_VERSION!r}"
             )
 
     async def __aexit__(
@@ -454,13 +460,15 @@ class Worqr:
     async def _levels(self, queue: str, command: str, *args: int) -> list[Any]:
         """One read command on each of the queue's level lists, highest first, in one
         round trip; a wrong-typed list raises `CorruptDataError` naming it."""
-        commands: list[_ops.Command] = [(command, key, *args) for key in self._keys.levels(queue)]
-        return await _ops.reads_checked(self._redis, commands)
+        commands: list[_ops.commands.Command] = [
+            (command, key, *args) for key in self._keys.levels(queue)
+        ]
+        return await _ops.commands.reads_checked(self._redis, commands)
 
     async def delete_queue(self, queue: str) -> None:
         """Delete the queue and all its tasks (queued, in process, failed); publishes
         ``delete``, which ends the `consume` loops of the queue."""
-        await _ops.delete_queue(self._redis, self._once, self._keys, check_queue(queue))
+        await _ops.queues.delete_queue(self._redis, self._once, self._keys, check_queue(queue))
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -496,7 +504,7 @@ class Worqr:
         if self._closed:
             raise ClosedError("this Worqr is closed")
         if unique or self._wait is not None or not isinstance(self._redis, Redis):
-            push = _ops.enqueue_unique if unique else _ops.enqueue
+            push = _ops.enqueue.enqueue_unique if unique else _ops.enqueue.enqueue
             confirmed = await push(self._redis, self._keys, queue, tasks, self._wait, level)
             self._require_replicas(confirmed, f"{len(tasks)} task(s) are queued in {queue!r}")
             return
@@ -504,9 +512,9 @@ class Worqr:
         if failed is not None:
             raise failed
 
-    async def _push_many(self, pushes: Sequence[_ops.Push]) -> list[BackendError | None]:
+    async def _push_many(self, pushes: Sequence[_ops.enqueue.Push]) -> list[BackendError | None]:
         assert self._lane is not None  # a Cluster's calls go alone: see `enqueue`
-        return await _ops.enqueue_many(self._lane, self._keys, pushes)
+        return await _ops.enqueue.enqueue_many(self._lane, self._keys, pushes)
 
     def _require_replicas(self, confirmed: int | None, what: str) -> None:
         """Raise `ReplicationError` if fewer replicas than ``wait_replicas`` confirmed
@@ -523,11 +531,11 @@ class Worqr:
         job's envelope is refused (`InvalidTaskError`): a job is cancelled by its id,
         with `Job.cancel`, which ends its record too."""
         plain = check_plain_task(check_task(task))
-        return await _ops.cancel(self._once, self._keys, check_queue(queue), plain)
+        return await _ops.queues.cancel(self._once, self._keys, check_queue(queue), plain)
 
     async def get_failed(self, queue: str) -> list[FailedTask]:
         """The queue's failed tasks, oldest first."""
-        return await _ops.failed_tasks(self._redis, self._keys, check_queue(queue))
+        return await _ops.failed.failed_tasks(self._redis, self._keys, check_queue(queue))
 
     async def retry_failed(
         self, queue: str, limit: int | None = None, *, only: str | None = None
@@ -541,7 +549,7 @@ class Worqr:
         if only is not None and limit is not None:
             raise ValueError("give limit or only, not both")
         record_id = None if only is None else check_failed_id(only)
-        return await _ops.retry_failed(
+        return await _ops.failed.retry_failed(
             self._redis, self._keys, check_queue(queue), limit, record_id
         )
 
@@ -549,12 +557,12 @@ class Worqr:
         """Remove the failed entry of that id (`FailedTask.id`) from the queue's failed
         list without retrying it; False when no entry has it (retried or dropped)."""
         record_id = check_failed_id(failed_id)
-        return await _ops.drop_failed(self._redis, self._keys, check_queue(queue), record_id)
+        return await _ops.failed.drop_failed(self._redis, self._keys, check_queue(queue), record_id)
 
     async def clear_failed(self, queue: str) -> int:
         """Empty the queue's failed list; returns how many entries it held. The
         outcomes of failed jobs stay readable until their ``result_ttl``."""
-        return await _ops.clear_failed(self._redis, self._keys, check_queue(queue))
+        return await _ops.failed.clear_failed(self._redis, self._keys, check_queue(queue))
 
     # -- jobs --------------------------------------------------------------------------
 
@@ -661,14 +669,14 @@ class Worqr:
         now = await self._clock.now_ms(self._redis)
         due = choices.due_ms(now)
         envelopes = choices.envelopes(payloads, given, now)
-        jobs = [_ops.Submission(envelope, due) for envelope in envelopes]
+        jobs = [_ops.submit.Submission(envelope, due) for envelope in envelopes]
         check = given is not None or choices.unique
         if after:
             confirmed = await _ops_deps.submit_after(
                 self._redis, self._keys, queue, jobs, after, wait=self._wait
             )
         else:
-            confirmed = await _ops.submit(
+            confirmed = await _ops.submit.submit(
                 self._redis, self._once, self._keys, queue, jobs, check=check, wait=self._wait
             )
         self._require_replicas(confirmed, f"{len(jobs)} job(s) are submitted to {queue!r}")
@@ -678,7 +686,7 @@ class Worqr:
         """Move the prefix to protocol 3 before its first job, schedule, pause or rate
         limit (once per `Worqr`)."""
         if not self._jobs_on:
-            self._require_protocol(await _ops.require_jobs(self._redis, self._keys))
+            self._require_protocol(await _ops.inspect.require_jobs(self._redis, self._keys))
             self._jobs_on = True
 
     def job(self, queue: str, job_id: str) -> Job:
@@ -692,16 +700,18 @@ class Worqr:
             raise TypeError(f"limit must be an int, not {type(limit).__name__}")
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        entries = await _ops.delayed_jobs(self._redis, self._keys, check_queue(queue), limit)
-        return [(due / 1000, _ops.job_label(raw)) for due, raw in entries]
+        entries = await _ops.promote.delayed_jobs(
+            self._redis, self._keys, check_queue(queue), limit
+        )
+        return [(due / 1000, _ops.writes.job_label(raw)) for due, raw in entries]
 
     async def _job_info(self, queue: str, job_id: str) -> JobInfo | None:
-        found = await _ops.job_record(self._redis, self._keys, queue, job_id)
+        found = await _ops.inspect.job_record(self._redis, self._keys, queue, job_id)
         return None if found is None else job_info(queue, job_id, found)
 
     async def _cancel_job(self, queue: str, job_id: str) -> bool:
         now = await self._clock.now_ms(self._redis)
-        if not await _ops.cancel_job(self._redis, self._keys, queue, job_id, now):
+        if not await _ops.cancel.cancel_job(self._redis, self._keys, queue, job_id, now):
             return False
         # The jobs waiting for it fail now, not when a worker of the queue comes by
         # (any peer may release; a worker's own release would find nothing left).
@@ -717,7 +727,7 @@ class Worqr:
             check_interval("timeout", timeout)
         await self._ensure_running()
         record = functools.partial(
-            _ops.job_record, self._redis, self._keys, queue, job_id, locate=False
+            _ops.inspect.job_record, self._redis, self._keys, queue, job_id, locate=False
         )
         with anyio.move_on_after(math.inf if timeout is None else timeout) as waited:
             info = await self._results.wait(queue, job_id, record)
@@ -891,7 +901,7 @@ class Worqr:
             self._taking.update(ids)
             return ids
 
-        def seen(look: _ops.Look) -> None:  # such a queue's dequeue reads it first
+        def seen(look: _ops.dequeue.Look) -> None:  # such a queue's dequeue reads it first
             if look.flow.limit is None and not look.flow.paused and not look.leveled:
                 self._controlled.discard(queue)
             else:
@@ -899,7 +909,7 @@ class Worqr:
 
         normal = normal and not self._withdrawing[queue]  # else one may be on its way back
         try:
-            taken = await _ops.dequeue(
+            taken = await _ops.dequeue.dequeue(
                 self._redis,
                 self._once,
                 self._keys,
@@ -916,7 +926,7 @@ class Worqr:
             if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
                 for process in reversed(taken):
                     ref = split_process_id(process.id)
-                    await _ops.stop(self._once, self._keys, ref, process.job_id)
+                    await _ops.stop.stop(self._once, self._keys, ref, process.job_id)
                 return []
             for process in taken:
                 self._held[process.id] = process
@@ -1044,7 +1054,7 @@ class Worqr:
             with anyio.CancelScope(shield=True):  # the look must find it back in place
                 await self._withdraw(queue, pid, 0.0)
             return []
-        process = _ops.as_process(pid, task, queue)
+        process = _ops.writes.as_process(pid, task, queue)
         self._held[pid] = process
         self._taking.discard(pid)
         return await self._usable(queue, [process])
@@ -1114,7 +1124,7 @@ class Worqr:
         try:
             now = await self._clock.now_ms(self._redis)
             deadlines = [(pid, now + round((limit + grace) * 1000)) for pid, limit in timed]
-            await _ops.set_deadlines(self._redis, self._keys, queue, deadlines)
+            await _ops.end.set_deadlines(self._redis, self._keys, queue, deadlines)
         except BackendError as exc:
             self._log.warning("could not record job deadlines: %s", exc, extra={"queue": queue})
 
@@ -1126,7 +1136,7 @@ class Worqr:
         try:
             with self._ending_process(process.id):
                 now = self._clock.estimate_ms()
-                task = await _ops.fail(self._redis, self._keys, ref, why, now, final=True)
+                task = await _ops.end.fail(self._redis, self._keys, ref, why, now, final=True)
         except BackendError as exc:
             self._log.error(
                 "could not move an unreadable task to the failed list: %s",
@@ -1168,7 +1178,7 @@ class Worqr:
             return False
         now = await self._clock.now_ms(self._redis)
         with self._ending_process(ref.id):
-            task = await _ops.finish(self._redis, self._keys, ref, result, now)
+            task = await _ops.end.finish(self._redis, self._keys, ref, result, now)
         self._held.pop(ref.id, None)  # known until Redis answered (an error keeps it)
         self._note(ref, task, failed=False)
         return task is not None
@@ -1182,18 +1192,20 @@ class Worqr:
         job_id = process.job_id if isinstance(process, Process) else None
         look = not isinstance(process, Process)  # a job's? its task says
         with self._ending_process(ref.id):
-            task = await _ops.stop(self._once, self._keys, ref, job_id, look=look)
+            task = await _ops.stop.stop(self._once, self._keys, ref, job_id, look=look)
         self._held.pop(ref.id, None)
         return task is not None
 
     async def get_matching_processes(self, task: str) -> list[str]:
         """Ids of every in-process copy of ``task``, in any queue, held by any worker."""
         check_task(task)
-        return [p.id for p in await _ops.processes(self._redis, self._keys) if p.task == task]
+        return [
+            p.id for p in await _ops.inspect.processes(self._redis, self._keys) if p.task == task
+        ]
 
     async def get_worker_info(self) -> list[WorkerInfo]:
         """Every registered worker: its queues, its process count, its heartbeat age."""
-        return await _ops.workers(self._redis, self._keys)
+        return await _ops.inspect.workers(self._redis, self._keys)
 
     async def statistics(self, queue: str) -> QueueStatistics:
         """A frozen snapshot of a queue: counts across the fleet, plus what this peer
@@ -1202,15 +1214,17 @@ class Worqr:
         peer keeps its own numbers for the 1,000 queues it ended processes of most
         recently."""
         check_queue(queue)
-        (row,) = await _ops.queue_table(self._redis, self._keys, [queue])
+        (row,) = await _ops.inspect.queue_table(self._redis, self._keys, [queue])
         return self._statistics(row)
 
     async def queue_statistics(self) -> list[QueueStatistics]:
         """`statistics` of every registered queue, sorted by name, in three round
         trips however many queues there are."""
-        return [self._statistics(row) for row in await _ops.queue_table(self._redis, self._keys)]
+        return [
+            self._statistics(row) for row in await _ops.inspect.queue_table(self._redis, self._keys)
+        ]
 
-    def _statistics(self, row: _ops.QueueRow) -> QueueStatistics:
+    def _statistics(self, row: _ops.inspect.QueueRow) -> QueueStatistics:
         record = self._stats.get(row.queue)
         times = sorted(record.durations)
 
@@ -1237,7 +1251,7 @@ class Worqr:
     async def get_processes(self, queue: str | None = None) -> list[Process]:
         """Every process of a queue (default: of every queue), oldest first."""
         queues = None if queue is None else [check_queue(queue)]
-        return await _ops.processes(self._redis, self._keys, queues)
+        return await _ops.inspect.processes(self._redis, self._keys, queues)
 
     def _ref(self, process: Process | str) -> ProcessRef:
         return parse_process_id(process.id if isinstance(process, Process) else process)
@@ -1311,7 +1325,7 @@ class Worqr:
             worker_timeout=self._worker_timeout,
             cleanup_interval=self._cleanup_interval,
         )
-        if not await _ops.register_worker(
+        if not await _ops.workers.register_worker(
             self._redis,
             self._keys,
             self._worker_id,
@@ -1337,7 +1351,7 @@ class Worqr:
             self._promoting[queue] = functools.partial(self._timers_hook, queue)
             self._events.add_hook(queue, self._promoting[queue])
         await self._events.settled(queue)
-        waiting, deleted, message = await _ops.start_work(
+        waiting, deleted, message = await _ops.workers.start_work(
             self._redis, self._keys, self._worker_id, queue
         )
         if queue in self._working:
@@ -1345,10 +1359,10 @@ class Worqr:
             self._promoter.watch(queue, None)  # due times announced from now on count
             self._scheduler.watch(queue)
             self._releaser.watch(queue)
-            (due,) = await _ops.next_due(self._redis, self._keys, [queue])
+            (due,) = await _ops.promote.next_due(self._redis, self._keys, [queue])
             await self._promoter.catch_up(queue, due)
         if waiting:
-            await _ops.publish(self._redis, self._keys, queue, "work", message)
+            await _ops.writes.publish(self._redis, self._keys, queue, "work", message)
 
     async def stop_work(self, queue: str) -> None:
         """Stop working on a queue: its `consume` loops end and this worker's processes
@@ -1362,11 +1376,11 @@ class Worqr:
         self._stop_promoting(queue)
         for pid in [pid for pid, p in self._held.items() if p.queue == queue]:
             del self._held[pid]
-        await _ops.stop_work(self._redis, self._keys, self._worker_id, queue)
+        await _ops.workers.stop_work(self._redis, self._keys, self._worker_id, queue)
 
     async def request_work(self, queue: str) -> int:
         """Publish ``work`` with the number of waiting tasks, if any; returns it."""
-        return await _ops.request_work(self._redis, self._keys, check_queue(queue))
+        return await _ops.writes.request_work(self._redis, self._keys, check_queue(queue))
 
     async def fail_worker(self, worker_id: str | None = None) -> int:
         """Hand every in-process task of a worker (default: this one) back to the front
@@ -1377,11 +1391,13 @@ class Worqr:
         """
         target = self._worker_id if worker_id is None else check_worker_id(worker_id)
         if target != self._worker_id:
-            outcome = await _ops.fail_worker(self._redis, self._keys, target, only_if_dead=False)
+            outcome = await _ops.workers.fail_worker(
+                self._redis, self._keys, target, only_if_dead=False
+            )
         else:  # after a start in progress, so that it cannot re-register the failed worker
             async with self._starting:
                 self._stop_worker("failed")
-                outcome = await _ops.fail_worker(
+                outcome = await _ops.workers.fail_worker(
                     self._redis, self._keys, target, only_if_dead=False
                 )
         if outcome is None:
@@ -1423,7 +1439,7 @@ class Worqr:
         ``quarantine_after`` times go to the failed list instead of back to the queue."""
         failed: list[str] = []
         now = await self._clock.now_ms(self._redis)
-        found = await _ops.scan(self._redis, self._keys, now)
+        found = await _ops.workers.scan(self._redis, self._keys, now)
         self._report_corrupt(found.corrupt)
         for worker_id in found.dead:
             if worker_id == self._worker_id and self._supervisor is not None:
@@ -1439,7 +1455,7 @@ class Worqr:
                 f" {ref.worker_id} still held it, and {self._worker_id} took it away"
             )
             try:
-                taken = await _ops.take_overdue(self._redis, self._keys, ref, error, now)
+                taken = await _ops.end.take_overdue(self._redis, self._keys, ref, error, now)
             except BackendError as exc:  # the next scan tries again
                 self._log.warning("could not end an overdue attempt: %s", exc)
                 continue
@@ -1449,7 +1465,7 @@ class Worqr:
                     ref.worker_id,
                     extra={"queue": ref.queue, "process_id": ref.id},
                 )
-        await _ops.prune_queues(self._redis, self._keys, found.idle)
+        await _ops.workers.prune_queues(self._redis, self._keys, found.idle)
         return failed
 
     def _report_corrupt(self, keys: Sequence[str]) -> None:
@@ -1470,7 +1486,7 @@ class Worqr:
     async def _fail_dead(self, worker_id: str, *, only_if_dead: bool) -> bool:
         """Reclaim the processes of a worker that died, counting the deaths of their
         tasks; False if it turned out to be alive."""
-        outcome = await _ops.fail_worker(
+        outcome = await _ops.workers.fail_worker(
             self._redis,
             self._keys,
             worker_id,
@@ -1520,40 +1536,40 @@ class Worqr:
         r, keys = self._redis, self._keys
         queue, worker_id, pid = problem.queue, problem.worker_id, problem.process_id
         if problem.kind == "orphan-process" and queue and pid:
-            await _ops.return_orphan(r, keys, queue, pid)
+            await _ops.repairs.return_orphan(r, keys, queue, pid)
         elif problem.kind == "malformed-process" and queue and pid:
-            await _ops.trim_process(r, keys, queue, pid)
+            await _ops.repairs.trim_process(r, keys, queue, pid)
         elif problem.kind == "dangling-process-id" and queue and worker_id and pid:
-            await _ops.drop_process_id(r, keys, queue, worker_id, pid)
+            await _ops.repairs.drop_process_id(r, keys, queue, worker_id, pid)
         elif problem.kind == "dead-worker" and worker_id:
             await self._fail_dead(worker_id, only_if_dead=True)
         elif problem.kind == "stale-holder" and queue and worker_id:
-            await _ops.drop_holder(r, keys, queue, worker_id)
+            await _ops.repairs.drop_holder(r, keys, queue, worker_id)
         elif problem.kind == "stale-work-list" and worker_id:
-            await _ops.drop_work_list(r, keys, worker_id)
+            await _ops.repairs.drop_work_list(r, keys, worker_id)
         elif problem.kind == "unregistered-worker" and worker_id:
-            await _ops.register(r, keys.workers, worker_id)
+            await _ops.commands.register(r, keys.workers, worker_id)
         elif problem.kind == "unregistered-queue" and queue:
-            await _ops.register(r, keys.queues, queue)
+            await _ops.commands.register(r, keys.queues, queue)
         elif problem.kind == "wrong-type" and problem.key:
             kind = keys.type_of(problem.key)
             if kind is not None:
-                await _ops.drop_wrong_type(r, problem.key, kind)
+                await _ops.repairs.drop_wrong_type(r, problem.key, kind)
                 self._log.warning("deleted %s: it had the wrong type", problem.key)
         elif problem.kind == "stale-deadline" and queue and pid:
-            await _ops.drop_deadline(r, keys, queue, pid)
+            await _ops.repairs.drop_deadline(r, keys, queue, pid)
         elif (
             problem.kind in ("dangling-job", "unindexed-job", "lost-job") and queue and problem.key
         ):
             parsed = keys.parse(problem.key)
             if parsed is not None and parsed[0] == "j":
                 if problem.kind == "dangling-job":
-                    await _ops.drop_job_index(r, keys, queue, parsed[2])
+                    await _ops.repairs.drop_job_index(r, keys, queue, parsed[2])
                 elif problem.kind == "unindexed-job":
-                    await _ops.index_job(r, keys, queue, parsed[2])
+                    await _ops.repairs.index_job(r, keys, queue, parsed[2])
                 else:
                     now = await self._clock.now_ms(r)
-                    await _ops.end_lost_job(r, keys, queue, parsed[2], now)
+                    await _ops.repairs.end_lost_job(r, keys, queue, parsed[2], now)
         elif problem.kind == "stuck-waiting" and queue and problem.key:
             parsed = keys.parse(problem.key)
             if parsed is not None and parsed[0] == "j":
@@ -1569,7 +1585,7 @@ class Worqr:
                 self._log.warning("removed %s: no worker can run it", problem.key)
         elif problem.kind == "no-expiry" and problem.key:
             # An expiry, not a delete: a live worker's next heartbeat renews it.
-            await _ops.expire_endless(r, problem.key, round(self._worker_timeout * 1000))
+            await _ops.repairs.expire_endless(r, problem.key, round(self._worker_timeout * 1000))
 
     @redis_boundary
     async def get_workers(self) -> list[str]:
@@ -1632,7 +1648,7 @@ class Worqr:
                 return
             if not await self._fail_dead(
                 self._worker_id, only_if_dead=self._exclusive
-            ) or not await _ops.register_worker(
+            ) or not await _ops.workers.register_worker(
                 self._redis,
                 self._keys,
                 self._worker_id,
@@ -1649,7 +1665,7 @@ class Worqr:
         for queue in self._working:  # a look, not an announcement: the count is unknown
             self._events.poke(queue, "work", "")
 
-    async def _recheck_queues(self, looks: dict[str, _ops.QueueLook]) -> None:
+    async def _recheck_queues(self, looks: dict[str, _ops.workers.QueueLook]) -> None:
         """Wake this peer's consumers of queues where tasks wait (hooks only), and
         note the due times of their delayed jobs."""
         for queue, look in looks.items():
@@ -1710,7 +1726,7 @@ class Worqr:
             and (ref := self._stray_ref(pid)) is not None
         ]
         for ref in sorted(strays, key=lambda ref: ref.token, reverse=True):
-            if await _ops.stop(self._once, self._keys, ref, look=True):
+            if await _ops.stop.stop(self._once, self._keys, ref, look=True):
                 self._log.warning(
                     "returned stray process to its queue",
                     extra={"queue": ref.queue, "process_id": ref.id},
@@ -1732,11 +1748,11 @@ class Worqr:
             return
         try:
             for queue, due in zip(
-                queues, await _ops.next_due(self._redis, self._keys, queues), strict=True
+                queues, await _ops.promote.next_due(self._redis, self._keys, queues), strict=True
             ):
                 self._promoter.note(queue, due)
                 self._releaser.note(queue)
-            tokens = await _ops.deletions(self._redis, self._keys, queues)
+            tokens = await _ops.workers.deletions(self._redis, self._keys, queues)
         except BackendError as exc:
             self._reach.failed("re-check after reconnect failed", exc)
             return
@@ -1785,7 +1801,7 @@ class Worqr:
         ``strict`` (always the highest non-empty level).
 
         ``handler`` must be an async callable of one argument (`TypeError` before
-        any task is taken otherwise: see `worqr._handlers` for why a plain function is
+        any task is taken otherwise: see `worqr._peer.handlers` for why a plain function is
         not run in a thread). Starts the worker and the work on the queue if needed.
         A returned str (or None) finishes the process with that result; an exception
         moves the task to the failed list (a job may be tried again); any other
@@ -1859,7 +1875,7 @@ class Worqr:
         action: Callable[[], Awaitable[object]]
         if outcome == "cancelled" and process.envelope is not None:
             action = lambda: self._fail_process(  # noqa: E731
-                ref, _ops.CANCELLED, final=True, known=process.stored
+                ref, _ops.writes.CANCELLED, final=True, known=process.stored
             )
         elif outcome in ("finish", "cancelled"):
             result = detail if outcome == "finish" else None
@@ -1957,7 +1973,7 @@ class Worqr:
                 if self._lost:
                     return [False] * len(done)
                 now = self._clock.estimate_ms()
-                return await _ops.finish_many(
+                return await _ops.end.finish_many(
                     self._redis, self._keys, self._worker_id, queue, done, now
                 )
 
@@ -1986,7 +2002,7 @@ class Worqr:
             return False
         now = await self._clock.now_ms(self._redis)
         with self._ending_process(ref.id):
-            task = await _ops.fail(
+            task = await _ops.end.fail(
                 self._redis,
                 self._keys,
                 ref,

@@ -44,8 +44,8 @@ except ImportError as exc:  # pragma: no cover - the extra is part of the dev in
         'worqr.metrics needs prometheus-client: pip install "worqr[metrics]"'
     ) from exc
 
-from ._models import QueueStatistics, WorkerInfo
-from ._stats import BOUNDS
+from ._layout.models import QueueStatistics, WorkerInfo
+from ._peer.stats import BOUNDS
 from ._worqr import Worqr
 
 __all__ = ["CONTENT_TYPE", "WorqrCollector", "scrape"]

@@ -27,7 +27,7 @@ from typing import BinaryIO
 from typing_extensions import Self
 
 from .._errors import ServerStartError
-from .._urls import connect
+from .._redis.urls import connect
 
 _HOST = "127.0.0.1"
 _START_TIMEOUT = 10.0  # seconds to wait for the first answer to PING

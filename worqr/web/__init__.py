@@ -81,7 +81,7 @@ def create_app(
         scheme, _, presented = given.partition(" ")
         raw = presented.encode("latin-1")  # the header's bytes, as sent
         if scheme.lower() != "bearer" or not hmac.compare_digest(raw, token.encode()):
-            raise _problems.Problem("unauthorized", "this needs the token: Authorization: Bearer")
+            raise _problems.Refused("unauthorized", "this needs the token: Authorization: Bearer")
 
     async def metrics(request: Request) -> Response:
         return Response(await scrape(collector), media_type=CONTENT_TYPE)

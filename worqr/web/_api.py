@@ -15,13 +15,13 @@ from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from .._errors import JobFailedError
-from .._jobs import JobInfo
-from .._json import failed_json, fleet_json, job_json, process_json, worker_json
-from .._models import QueueStatistics
-from .._names import check_queue, check_worker_id, parse_process_id
+from .._layout.jobs import JobInfo
+from .._layout.models import QueueStatistics
+from .._layout.names import check_queue, check_worker_id, parse_process_id
+from .._layout.records import failed_json, fleet_json, job_json, process_json, worker_json
 from .._worqr import Worqr
 from ._leases import HttpWorkers
-from ._problems import Problem
+from ._problems import Refused
 
 BODY_ROOM = 64 * 1024
 """Bytes a request body may have beyond the `Worqr`'s ``max_payload_bytes``: room for
@@ -42,20 +42,20 @@ async def body_of(worqr: Worqr, request: Request) -> dict[str, Any]:
     most = worqr.max_payload_bytes + BODY_ROOM
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > most:
-        raise Problem("too_large", f"the body has {declared} bytes; at most {most}")
+        raise Refused("too_large", f"the body has {declared} bytes; at most {most}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > most:
-            raise Problem("too_large", f"the body has more than {most} bytes; at most {most}")
+            raise Refused("too_large", f"the body has more than {most} bytes; at most {most}")
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
         body = json.loads(raw or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
-        raise Problem("bad_request", f"the body is not JSON: {exc}") from None
+        raise Refused("bad_request", f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise Problem("bad_request", f"the body must be a JSON object, not {type(body).__name__}")
+        raise Refused("bad_request", f"the body must be a JSON object, not {type(body).__name__}")
     return body
 
 
@@ -65,11 +65,11 @@ def field(body: dict[str, Any], name: str, kind: type[_T], default: Any = _MISSI
     value = body.get(name)
     if value is None:
         if default is _MISSING:
-            raise Problem("bad_request", f"{name!r} is required")
+            raise Refused("bad_request", f"{name!r} is required")
         return default  # type: ignore[no-any-return]
     number = kind is float and isinstance(value, int | float)
     if (isinstance(value, bool) and kind is not bool) or not (number or isinstance(value, kind)):
-        raise Problem("bad_request", f"{name!r} must be {_json_name(kind)}, not {value!r}")
+        raise Refused("bad_request", f"{name!r} must be {_json_name(kind)}, not {value!r}")
     if isinstance(value, str):
         _text(name, value)
     return float(value) if number else value  # type: ignore[return-value]
@@ -81,7 +81,7 @@ def _text(name: str, value: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise Problem("bad_request", f"{name!r} holds a lone surrogate, not text") from None
+        raise Refused("bad_request", f"{name!r} holds a lone surrogate, not text") from None
 
 
 def strings(body: dict[str, Any], name: str, default: Any = _MISSING) -> list[str]:
@@ -90,7 +90,7 @@ def strings(body: dict[str, Any], name: str, default: Any = _MISSING) -> list[st
     required = default is _MISSING
     if not all(isinstance(item, str) for item in value) or (required and not value):
         kind = "a non-empty list" if required else "a list"
-        raise Problem("bad_request", f"{name!r} must be {kind} of strings")
+        raise Refused("bad_request", f"{name!r} must be {kind} of strings")
     for item in value:
         _text(name, item)
     return value
@@ -110,7 +110,7 @@ async def known_queue(worqr: Worqr, request: Request) -> str:
     """The queue of the path, 404 if no peer uses it."""
     queue = queue_of(request)
     if queue not in await worqr.get_queues():
-        raise Problem("not_found", f"unknown queue {queue!r}")
+        raise Refused("not_found", f"unknown queue {queue!r}")
     return queue
 
 
@@ -169,7 +169,7 @@ async def read_job(worqr: Worqr, request: Request) -> Any:
             await job.result(timeout=wait)
         info = await job.info()
     if info is None:
-        raise Problem("not_found", f"no job {job.id!r} in {job.queue!r} (or its outcome expired)")
+        raise Refused("not_found", f"no job {job.id!r} in {job.queue!r} (or its outcome expired)")
     return job_json(info)
 
 
@@ -177,9 +177,9 @@ def _wait(text: str) -> float:
     try:
         wait = float(text)
     except ValueError:
-        raise Problem("bad_request", f"wait must be a number of seconds, got {text!r}") from None
+        raise Refused("bad_request", f"wait must be a number of seconds, got {text!r}") from None
     if not 0 <= wait <= MAX_WAIT:
-        raise Problem("bad_request", f"wait must be between 0 and {MAX_WAIT:g} s, got {text}")
+        raise Refused("bad_request", f"wait must be between 0 and {MAX_WAIT:g} s, got {text}")
     return wait
 
 
@@ -199,7 +199,7 @@ async def submit(worqr: Worqr, request: Request) -> Any:
     body = await body_of(worqr, request)
     unknown = set(body) - _SUBMIT_FIELDS
     if unknown:
-        raise Problem("bad_request", f"unknown field(s): {', '.join(sorted(unknown))}")
+        raise Refused("bad_request", f"unknown field(s): {', '.join(sorted(unknown))}")
     after = strings(body, "after", [])
     job = await worqr.submit(
         queue_of(request),
@@ -246,21 +246,21 @@ async def cancel_job(worqr: Worqr, request: Request) -> Any:
     if await job.cancel():
         return {"cancelled": True}
     if await job.info() is None:
-        raise Problem("not_found", f"no job {job.id!r} in {job.queue!r} (or its outcome expired)")
+        raise Refused("not_found", f"no job {job.id!r} in {job.queue!r} (or its outcome expired)")
     return {"cancelled": False}  # it had ended
 
 
 async def retry_failed(worqr: Worqr, request: Request) -> Any:
     queue, entry = await known_queue(worqr, request), request.path_params["entry"]
     if not await worqr.retry_failed(queue, only=entry):
-        raise Problem("not_found", f"no failed entry {entry!r} in {queue!r} to retry")
+        raise Refused("not_found", f"no failed entry {entry!r} in {queue!r} to retry")
     return {"retried": entry}
 
 
 async def drop_failed(worqr: Worqr, request: Request) -> Any:
     queue, entry = await known_queue(worqr, request), request.path_params["entry"]
     if not await worqr.drop_failed(queue, entry):
-        raise Problem("not_found", f"no failed entry {entry!r} in {queue!r}")
+        raise Refused("not_found", f"no failed entry {entry!r} in {queue!r}")
     return {"dropped": entry}
 
 
@@ -298,7 +298,7 @@ async def register_worker(worqr: Worqr, request: Request) -> Any:
     queues = [check_queue(queue) for queue in dict.fromkeys(strings(body, "queues"))]
     timeout = field(body, "timeout", float, 10.0)
     if not 0.1 <= timeout <= 3600:
-        raise Problem("bad_request", f"'timeout' must be 0.1 to 3600 seconds, got {timeout:g}")
+        raise Refused("bad_request", f"'timeout' must be 0.1 to 3600 seconds, got {timeout:g}")
     worker_id = field(body, "worker_id", str, None)
     twin = await http_workers(request).register(
         worqr,
@@ -321,7 +321,7 @@ async def lease(worqr: Worqr, request: Request) -> Any:
     queue = check_queue(field(body, "queue", str))
     count = field(body, "count", int, 1)
     if not 1 <= count <= MAX_LEASE:
-        raise Problem("bad_request", f"'count' must be 1 to {MAX_LEASE}, got {count}")
+        raise Refused("bad_request", f"'count' must be 1 to {MAX_LEASE}, got {count}")
     taken = await http_workers(request).lease(request.path_params["worker_id"], queue, count)
     return {"processes": [process_json(process) for process in taken]}
 

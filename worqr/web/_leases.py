@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import anyio
 
 from .._errors import WorkerLiveError
-from .._flow import Throttled
+from .._layout.flow import Throttled
+from .._layout.models import Process
+from .._layout.names import parse_process_id
 from .._log import logger
-from .._models import Process
-from .._names import parse_process_id
 from .._worqr import Worqr
-from ._problems import Problem
+from ._problems import Refused
 
 CHECK_EVERY = 0.5
 """Seconds between looks for HTTP workers that stopped calling."""
@@ -68,9 +68,9 @@ class HttpWorkers:
         """A worker working on ``queues`` on ``base``'s server and prefix, kept while its
         heartbeat comes within ``patience`` seconds. With an id of its own, a previous
         life of that worker hands its processes back first (as `Worqr.start_worker`),
-        unless the id is live: then `Problem` ``duplicate``, nothing taken over."""
+        unless the id is live: then `Refused` ``duplicate``, nothing taken over."""
         if worker_id is not None and worker_id in self._twins:
-            raise Problem("duplicate", f"the HTTP worker {worker_id!r} is registered here")
+            raise Refused("duplicate", f"the HTTP worker {worker_id!r} is registered here")
         twin = _TwinWorqr(
             base._given,
             worker_id=worker_id,
@@ -87,7 +87,7 @@ class HttpWorkers:
         except BaseException as exc:
             await twin.close()
             if isinstance(exc, WorkerLiveError):
-                raise Problem(
+                raise Refused(
                     "duplicate",
                     f"the HTTP worker {twin.worker_id!r} is live elsewhere (registered at"
                     " another app of the fleet, or a worker runs under that id): send its"
@@ -109,7 +109,7 @@ class HttpWorkers:
         if held is None and self._fenced.pop(worker_id, 0.0) >= time.monotonic():
             raise _lease_lost(worker_id)
         if held is None or time.monotonic() - held.seen > held.timeout:
-            raise Problem("not_found", f"no live HTTP worker {worker_id!r} here: register again")
+            raise Refused("not_found", f"no live HTTP worker {worker_id!r} here: register again")
         if self._lapsed(held):
             del self._twins[worker_id]
             await self._retire(held)
@@ -122,11 +122,11 @@ class HttpWorkers:
         held = self._twins[worker_id]
         async with held.lock:
             if self._twins.get(worker_id) is not held:  # it left meanwhile
-                raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
+                raise Refused("not_found", f"no live HTTP worker {worker_id!r} here")
             if self._lapsed(held):  # the lease may have run out meanwhile
-                raise Problem("not_found", f"HTTP worker {worker_id!r} lost its lease")
+                raise Refused("not_found", f"HTTP worker {worker_id!r} lost its lease")
             if queue not in held.worqr._working:
-                raise Problem("bad_request", f"this worker did not register for {queue!r}")
+                raise Refused("bad_request", f"this worker did not register for {queue!r}")
             try:
                 return await held.worqr._take(queue, count)
             except Throttled:
@@ -156,11 +156,11 @@ class HttpWorkers:
         """The HTTP worker leaves: what it holds goes back to the front of its queues."""
         held = self._twins.pop(worker_id, None)
         if held is None:
-            raise Problem("not_found", f"no live HTTP worker {worker_id!r} here")
+            raise Refused("not_found", f"no live HTTP worker {worker_id!r} here")
         async with held.lock:
             if held.worqr._lease_lapsed():  # what it held may be another twin's by now
                 await held.worqr.close()
-                raise Problem("not_found", f"HTTP worker {worker_id!r} lost its lease")
+                raise Refused("not_found", f"HTTP worker {worker_id!r} lost its lease")
             returned = await held.worqr.fail_worker()
         await held.worqr.close()
         return returned
@@ -207,8 +207,8 @@ class HttpWorkers:
                         logger.exception("closing the twin of HTTP worker %s failed", worker_id)
 
 
-def _lease_lost(worker_id: str) -> Problem:
-    return Problem(
+def _lease_lost(worker_id: str) -> Refused:
+    return Refused(
         "not_found",
         f"HTTP worker {worker_id!r} lost its lease (its processes go back to their queues):"
         " register again",

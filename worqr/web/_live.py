@@ -17,11 +17,11 @@ import anyio
 from starlette.responses import StreamingResponse
 
 from .._errors import BackendError
-from .._json import process_json, worker_json
-from .._names import split_process_id
+from .._layout.names import split_process_id
+from .._layout.records import process_json, worker_json
 from .._worqr import Worqr
 from ._api import queue_json
-from ._problems import Problem
+from ._problems import Refused
 
 HISTORY = 300
 """Seconds of throughput and latency a snapshot carries."""
@@ -135,9 +135,9 @@ class Feed:
         self._reader: asyncio.Task[None] | None = None
 
     def open(self) -> AsyncIterator[str]:
-        """The events of one more page; `Problem` ``busy`` past `CLIENTS`."""
+        """The events of one more page; `Refused` ``busy`` past `CLIENTS`."""
         if self._clients >= CLIENTS:
-            raise Problem("busy", f"{CLIENTS} pages are open already: try again later")
+            raise Refused("busy", f"{CLIENTS} pages are open already: try again later")
         self._clients += 1
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())

@@ -29,7 +29,7 @@ CODES = {
 """Every code the API answers with, and its HTTP status."""
 
 
-class Problem(Exception):
+class Refused(Exception):
     """A request the API refuses: its code (one of `CODES`) and what was wrong."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -43,24 +43,24 @@ def answer(code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, CODES[code])
 
 
-def of(exc: Exception) -> Problem:
+def of(exc: Exception) -> Refused:
     """The problem an exception of the library (or a bad value) stands for."""
-    if isinstance(exc, Problem):
+    if isinstance(exc, Refused):
         return exc
     if isinstance(exc, DuplicateTaskError):
-        return Problem("duplicate", str(exc))
+        return Refused("duplicate", str(exc))
     if isinstance(exc, DependencyError):
-        return Problem("dependency", str(exc))
+        return Refused("dependency", str(exc))
     if isinstance(exc, BackendUnavailableError):
-        return Problem("unavailable", str(exc))
+        return Refused("unavailable", str(exc))
     if isinstance(exc, BackendError):
-        return Problem("backend", str(exc))
+        return Refused("backend", str(exc))
     if isinstance(exc, ValueError | TypeError | WorqrError):
-        return Problem("bad_request", str(exc))
+        return Refused("bad_request", str(exc))
     raise exc
 
 
-HANDLED = (Problem, WorqrError, ValueError, TypeError)
+HANDLED = (Refused, WorqrError, ValueError, TypeError)
 """The exceptions `handle` answers; anything else is a 500 (and a logged traceback)."""
 
 

@@ -1,0 +1,627 @@
+"""The end of a process: finish, fail (retry or the failed list), and deadlines.
+
+One function per transition; its docstring names the keys it touches and the
+numbered commands it runs, as drawn in docs/diagrams/."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .._errors import (
+    BackendError,
+    is_wrong_type,
+    redis_boundary,
+)
+from .._layout.envelope import Envelope, Header, wrap
+from .._layout.jobs import Backoff
+from .._layout.keys import Keys
+from .._layout.models import Process, escaped
+from .._layout.names import ProcessRef, split_process_id
+from .._redis.connections import Client as Client
+from .._redis.connections import on_slot
+from .._redis.replies import members, text
+from .._redis.wire import Watching, Wire, watching
+from .commands import (
+    _MAX_ATTEMPTS,
+    Command,
+    _beside,
+    _corrupt,
+    _optimistic,
+    _require,
+    _unknown_outcome,
+    _unless_wrong,
+    call,
+    read,
+    reads,
+)
+from .writes import (
+    LOOK,
+    RELEASED_EVENT,
+    WAITED_KEEP_MS,
+    _says_ended,
+    _trim_jobs,
+    announce,
+    death_field,
+    digest,
+    done_messages,
+    done_record,
+    envelope_of,
+    event,
+    failed_record,
+    local_ms,
+    stored,
+    trim_jobs,
+    waited,
+    waited_keys,
+    waiters_of,
+)
+
+
+@redis_boundary
+async def set_deadlines(
+    r: Client, keys: Keys, queue: str, deadlines: Sequence[tuple[str, int]]
+) -> None:
+    """Record when peers may take processes of jobs with a timeout away (Unix ms,
+    server time: the timeout plus a grace from the dequeue).
+
+    1. ZADD deadlines <deadline> <id> ...
+    """
+    pairs = [part for pid, deadline in deadlines for part in (deadline, pid)]
+    await reads(r, [("ZADD", keys.deadlines(queue), *pairs)])
+
+
+@redis_boundary
+async def take_overdue(r: Client, keys: Keys, ref: ProcessRef, error: str, now_ms: int) -> bool:
+    """End an attempt that ran past its deadline, as timed out (see `fail`: it may be
+    retried), whoever holds it; False if the process was gone (its deadline entry is
+    then dropped). Fenced as every end: a holder's late finish finds it gone.
+
+    1. `fail` (ref, error)
+    2. ZREM deadlines <id>                      (the process was gone)
+    """
+    if await fail(r, keys, ref, error, now_ms) is not None:
+        return True
+    await reads(r, [("ZREM", keys.deadlines(ref.queue), ref.id)])
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """What ending one process writes besides its own bookkeeping: the keys whose
+    failing write inside MULTI would lose the task (each must be of its type, or
+    absent), and the writes."""
+
+    requires: tuple[tuple[str, str], ...]
+    writes: Callable[[Pipeline], None]
+
+
+Plan = Callable[[str, Envelope | None, bool, list[str] | None], Ending]
+
+
+"""What ending a process writes, given its task, its envelope (a job), whether the
+job ended already (cancelled while its attempt ran) and, if other jobs wait for it
+(see `waited`), those to hand on (else None)."""
+
+
+async def _end_process(
+    r: Client,
+    keys: Keys,
+    ref: ProcessRef,
+    plan: Plan,
+    *,
+    known: str | None = None,
+    checks: Sequence[tuple[str, str]] = (),
+) -> str | None:
+    """Fenced end of a process: if it still exists, delete it and its bookkeeping and
+    release the task's unique mark, plus the writes ``plan`` gives for its task (and
+    envelope, for a job); return its task as stored.
+
+    ``known`` is the task, when the caller dequeued it itself: ids are never reused
+    and only `dequeue` writes a process list, so EXISTS then stands in for LINDEX,
+    and the job's record is watched from the start. ``checks`` are the keys (and their
+    types) that the plan's writes may push to: read beside the fence, since a push
+    failing inside MULTI would lose the task.
+
+    WATCH is needed because the unique mark may only be released while the process
+    exists: a late finish after a reclaim must not free the mark of the requeued task;
+    and a job's record is watched because a cancel may end the job meanwhile.
+      1. WATCH p:<id> [j:<job> after:<job>]  (known: one round trip)
+         EXISTS p:<id>                    -> 0: UNWATCH, return None (gone)
+           with it, on the same connection: TYPE <key> (per check, and for a
+           job released and after:<job>, which a waited job's end writes);
+           SMEMBERS after:<job>            -> the jobs waiting for it
+           HMGET j:<job> state env waited -> done/failed: the job ended (cancelled);
+                                             waited: its end hands those on
+         (not known: WATCH p:<id>;  LINDEX p:<id> 0 -> nil: gone;  WATCH j:<job>
+          after:<job>;  then the reads beside, alone)
+         a checked key not of its type: UNWATCH, raise (nothing written)
+      2. MULTI
+      3. DEL p:<id>
+      4. SREM held:<w> <id>
+      5. SREM unique task                 (a plain task)
+      6. HDEL deaths <field>              (the task ended: its death count goes)
+      7. ZREM deadlines <id>              (a job with a timeout)
+      8. ...the plan's writes
+      9. EXEC                             -> nil: back to 1
+    """
+    queue = ref.queue
+    proc = keys.process(queue, ref.id)
+    given = None if known is None else envelope_of(known)
+    watch = [proc]
+    if given is not None:
+        watch += [keys.job(queue, given.header.id), keys.after(queue, given.header.id)]
+
+    async def body(pipe: Pipeline) -> str | None:
+        if known is None:
+            raw = await read(pipe, "LINDEX", proc, 0)
+            if raw is None:
+                return None
+            task, envelope = text(raw), envelope_of(text(raw))
+            if envelope is not None:
+                job_id = envelope.header.id
+                await pipe.watch(keys.job(queue, job_id), keys.after(queue, job_id))
+        else:
+            task, envelope = known, given
+        # A job's end may hand the jobs waiting for it on: the types of those keys are
+        # read here too, in the same round trip, whether it turns out waited or not.
+        typed = [*checks, *(waited_keys(keys, queue, envelope.header.id) if envelope else ())]
+        side: list[Command] = [("TYPE", key) for key, _ in typed]
+        if envelope is not None:  # the jobs waiting for it, and whether it is waited for
+            side.append(("SMEMBERS", keys.after(queue, envelope.header.id)))
+            side.append(("HMGET", keys.job(queue, envelope.header.id), *LOOK))
+        if known is None:
+            replies = await _beside(pipe, side)
+        else:
+            exists, *replies = await _beside(pipe, [("EXISTS", proc), *side])
+            if not exists:
+                await pipe.reset()
+                return None
+        types = {key: text(found) for (key, _), found in zip(typed, replies, strict=False)}
+        ended = envelope is not None and _says_ended(replies[-1], envelope.raw)
+        waiters = None if envelope is None else waiters_of(replies[-1], replies[-2])
+        ending = plan(task, envelope, ended, waiters)
+        for key, kind in ending.requires:
+            found = types.get(key)
+            if found is None:
+                await _require(pipe, key, kind)
+            elif found not in (kind, "none"):
+                await pipe.reset()
+                raise _corrupt(key, found)
+        pipe.multi()
+        pipe.execute_command("DEL", proc)
+        pipe.execute_command("SREM", keys.held(queue, ref.worker_id), ref.id)
+        if envelope is None:
+            pipe.execute_command("SREM", keys.unique(queue), stored(task))
+        pipe.execute_command("HDEL", keys.deaths(queue), death_field(task))
+        if envelope is not None and envelope.header.timeout is not None:
+            pipe.execute_command("ZREM", keys.deadlines(queue), ref.id)
+        ending.writes(pipe)
+        return task
+
+    task, _ = await _optimistic(r, watch, body)
+    return task
+
+
+def _end_job(
+    pipe: Pipeline,
+    keys: Keys,
+    queue: str,
+    header: Header,
+    now_ms: int,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+    waiters: Sequence[str] | None = None,
+) -> None:
+    """Queue the writes of `job_end` on ``pipe``, its index entry with them."""
+    writes, (score, job_id) = job_end(
+        keys, queue, header, now_ms, result=result, error=error, attempts=attempts, waiters=waiters
+    )
+    for command in writes:
+        pipe.execute_command(*command)
+    pipe.execute_command("ZADD", keys.jobs(queue), score, job_id)
+
+
+def job_end(
+    keys: Keys,
+    queue: str,
+    header: Header,
+    now_ms: int,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+    waiters: Sequence[str] | None = None,
+) -> tuple[list[Command], tuple[int, str]]:
+    """The writes that record a job's outcome (done, or failed with ``error``) and let
+    it expire after its result TTL, and its entry in the job index (score, id: the
+    caller adds it, several ends' in one ZADD). A job that others wait for (see
+    `waited`) hands ``waiters`` (the members of its ``after`` set, read under WATCH)
+    to the next release, and keeps its outcome for them at least `WAITED_KEEP_MS`;
+    the caller made sure that ``released`` and ``after:<id>`` are sets or absent
+    (`waited_keys`).
+
+      HSET j:<id> state done|failed attempts <n> finished <now> [result <r>] [error <e>]
+      HDEL j:<id> env due after
+      PEXPIRE j:<id> <ttl>
+      (waited) SADD released <waiter>...;  DEL after:<id>;  PUBLISH events released:
+      and the entry: ZADD jobs <now + ttl> <id>
+    (and, once per transaction, `_trim_jobs`)
+    """
+    record = keys.job(queue, header.id)
+    fields: list[str | int] = [
+        "state",
+        "done" if error is None else "failed",
+        "attempts",
+        header.attempt if attempts is None else attempts,
+        "finished",
+        now_ms,
+    ]
+    if result is not None:
+        fields += ["result", result]
+    if error is not None:
+        fields += ["error", error]
+    waited = waiters is not None
+    ttl = max(header.result_ttl_ms, WAITED_KEEP_MS) if waited else header.result_ttl_ms
+    writes: list[Command] = [
+        ("HSET", record, *fields),
+        ("HDEL", record, "env", "due", "after"),
+        ("PEXPIRE", record, ttl),
+    ]
+    if waiters is not None:
+        writes.append(("DEL", keys.after(queue, header.id)))
+        if waiters:
+            writes.append(("SADD", keys.released(queue), *waiters))
+            writes.append(("PUBLISH", keys.events(queue), event(RELEASED_EVENT)))
+    return writes, (now_ms + ttl, header.id)
+
+
+async def _waiters(pipe: Pipeline, keys: Keys, queue: str, job_id: str) -> list[str]:
+    """In a WATCHed pipeline, for the end of a waited job that did not read them with
+    its fence: check the types of the keys the end writes, watch its ``after`` set and
+    return its members."""
+    for key, kind in waited_keys(keys, queue, job_id):
+        await _require(pipe, key, kind)
+    after = keys.after(queue, job_id)
+    await pipe.watch(after)
+    return members(await call(pipe, "SMEMBERS", after))
+
+
+@redis_boundary
+async def finish(
+    r: Client, keys: Keys, ref: ProcessRef, result: str | None, now_ms: int | None = None
+) -> str | None:
+    """Finish a process (see `_end_process`), publishing ``done``; return its task or None.
+
+      (a job) WATCH j:<id>;  HMGET j:<id> state  -> done/failed (cancelled meanwhile):
+                                                    no writes but 3-7
+    8. (a job) the writes of `_end_job` with its result
+       PUBLISH done done:[{"process_id","worker_id","task","result"[,"job_id","status"]}]
+    """
+    now = local_ms(now_ms)
+
+    def plan(task: str, envelope: Envelope | None, ended: bool, waits: list[str] | None) -> Ending:
+        if ended:
+            return Ending((), lambda pipe: None)  # cancelled meanwhile: its outcome stays
+
+        def writes(pipe: Pipeline) -> None:
+            if envelope is None:
+                record = done_record(ref.id, ref.worker_id, task, result)
+            else:
+                header = envelope.header
+                _end_job(pipe, keys, ref.queue, header, now, result=result, waiters=waits)
+                _trim_jobs(pipe, keys, ref.queue, now)
+                record = done_record(
+                    ref.id,
+                    ref.worker_id,
+                    envelope.payload,
+                    result,
+                    job_id=header.id,
+                    attempts=header.attempt,
+                )
+            pipe.execute_command("PUBLISH", keys.done(ref.queue), event("done", f"[{record}]"))
+
+        job_id = None if envelope is None else envelope.header.id
+        needs = waited_keys(keys, ref.queue, job_id) if waits is not None and job_id else ()
+        return Ending(needs, writes)
+
+    return await _end_process(r, keys, ref, plan)
+
+
+@redis_boundary
+async def finish_many(
+    r: Client,
+    keys: Keys,
+    worker_id: str,
+    queue: str,
+    done: Sequence[tuple[Process, str | None]],
+    now_ms: int | None = None,
+) -> list[bool]:
+    """Finish processes that this worker dequeued from one queue (so it knows their
+    tasks), in one transaction; return, per process, whether it still existed.
+
+    Each process is fenced as in `finish`: only a process that still exists is ended.
+    Ids are never reused and only `dequeue` writes a process list, so an existing
+    p:<id> holds exactly the task it was dequeued with, and EXISTS stands in for the
+    LINDEX of `finish`.
+      1. WATCH p:<id1> ... p:<idk> j:<job>...  (the jobs among them)
+         with it, in the same round trip (covered by it):
+         EXISTS p:<id1> ... p:<idk>       -> fewer than k: UNWATCH; EXISTS p:<id> each
+                                             (one round trip), and back to 1 with the
+                                             ones that exist (the others: False)
+         HMGET j:<job> state env waited ...  -> a job that ended meanwhile (cancelled)
+                                             keeps its outcome: no writes of step 9 for
+                                             it; one that others wait for: step 2
+      2. (waited jobs only) WATCH after:<job> ...;  TYPE released;
+         SMEMBERS after:<job> ...         -> the jobs to
+                                             hand on; not sets: UNWATCH, raise
+      3. MULTI
+      4. DEL p:<id1> ... p:<idk>
+      5. SREM held:<w> <id>...
+      6. SREM unique <task>...            (plain tasks)
+      7. HDEL deaths <field>...
+      8. ZREM deadlines <id>...           (jobs with a timeout)
+      9. the writes of `job_end` per job;  ZADD jobs <expiry> <job> ... (one for all);
+         ZREMRANGEBYSCORE jobs -inf (<now>
+     10. PUBLISH done done:[{...}, ...]   (a record per process; a message per MB)
+     11. EXEC                             -> nil: back to 1
+    A job that nothing waits for costs four commands (HMGET, HSET, HDEL, PEXPIRE) and
+    a few arguments: the drain of jobs stays close to that of plain tasks.
+    """
+    now = local_ms(now_ms)
+    refs = [split_process_id(process.id) for process, _ in done]
+    if any(ref.worker_id != worker_id or ref.queue != queue for ref in refs):
+        raise ValueError(f"finish_many: every process must be {worker_id}'s in {queue!r}")
+    outcome = [False] * len(done)
+    remaining = list(range(len(done)))
+    while remaining:  # each pass ends them all, or finds at least one gone for good
+        ending = [done[i] for i in remaining]
+        procs = [keys.process(queue, refs[i].id) for i in remaining]
+        batch = _Batch(keys, worker_id, queue, ending, procs, [refs[i].id for i in remaining])
+
+        async def run(node: Redis, batch: _Batch = batch) -> bool:
+            return await batch.end(node, now)
+
+        if await on_slot(r, procs[0], run):
+            for i in remaining:
+                outcome[i] = True
+            return outcome
+        # Some process is gone (reclaimed, stopped, its queue deleted): ids are never
+        # reused, so a gone one stays gone; finish the others together.
+        present = await reads(r, [("EXISTS", proc) for proc in procs])
+        remaining = [i for i, flag in zip(remaining, present, strict=True) if flag]
+    return outcome
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The processes one `finish_many` pass ends, with their keys."""
+
+    keys: Keys
+    worker_id: str
+    queue: str
+    ending: Sequence[tuple[Process, str | None]]
+    procs: Sequence[str]
+    ids: Sequence[str]
+
+    async def end(self, node: Redis, now: int) -> bool:
+        """Steps 1-11 on ``node``: True when every process was ended, False (nothing
+        written) when one was gone. A lost reply to the first look is resent as the
+        client's policy says (nothing was written); a lost EXEC reply is an unknown
+        outcome."""
+        keys, queue = self.keys, self.queue
+        jobs = [p for p, _ in self.ending if p.job_id is not None]
+        records = [keys.job(queue, p.job_id) for p in jobs if p.job_id is not None]
+        looks: list[Wire] = [("EXISTS", *self.procs), *(("HMGET", rec, *LOOK) for rec in records)]
+        async with watching(node) as session:
+            for _ in range(_MAX_ATTEMPTS):
+                exists, *states = _unless_wrong(await session.look([*self.procs, *records], looks))
+                if exists != len(self.procs):
+                    return False
+                ended: set[str | None] = set()
+                waited_ids: list[str] = []
+                for p, look in zip(jobs, states, strict=True):
+                    if _says_ended(look, p.stored):
+                        ended.add(p.job_id)
+                    elif p.job_id is not None and waited(look):
+                        waited_ids.append(p.job_id)
+                if ended and waited_ids:  # two copies of one job, one read as ended
+                    waited_ids = [job_id for job_id in waited_ids if job_id not in ended]
+                waits = await _waiters_of(session, keys, queue, waited_ids)
+                try:
+                    replies = await session.commit(self._writes(now, ended, waits))
+                except MaxConnectionsError:
+                    raise
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    raise _unknown_outcome() from exc
+                if replies is not None:
+                    _unless_wrong(replies)
+                    return True
+        raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {self.procs[0]}")
+
+    def _writes(self, now: int, ended: set[str | None], waits: dict[str, list[str]]) -> list[Wire]:
+        """Steps 4-10: the writes of the transaction."""
+        keys, queue, worker_id = self.keys, self.queue, self.worker_id
+        ending = self.ending
+        writes: list[Wire] = [
+            ("DEL", *self.procs),
+            ("SREM", keys.held(queue, worker_id), *self.ids),
+        ]
+        plain = [stored(p.task) for p, _ in ending if p.envelope is None]
+        if plain:
+            writes.append(("SREM", keys.unique(queue), *plain))
+        fields = {digest(p.task) if p.envelope is None else f"job:{p.job_id}" for p, _ in ending}
+        writes.append(("HDEL", keys.deaths(queue), *fields))
+        timed = [p.id for p, _ in ending if p.envelope and p.envelope.header.timeout]
+        if timed:
+            writes.append(("ZREM", keys.deadlines(queue), *timed))
+        records: list[str] = []
+        index: list[str | int] = []
+        for process, result in ending:
+            if process.envelope is None:
+                records.append(done_record(process.id, worker_id, process.task, result))
+                continue
+            header = process.envelope.header
+            if header.id in ended:
+                continue  # cancelled while it ran: its outcome stays
+            job_writes, (expiry, job_id) = job_end(
+                keys, queue, header, now, result=result, waiters=waits.get(header.id)
+            )
+            writes += job_writes
+            index += [expiry, job_id]
+            records.append(
+                done_record(
+                    process.id,
+                    worker_id,
+                    process.task,
+                    result,
+                    job_id=header.id,
+                    attempts=header.attempt,
+                )
+            )
+        if index:
+            writes.append(("ZADD", keys.jobs(queue), *index))
+        if any(p.envelope is not None for p, _ in ending):
+            writes.append(trim_jobs(keys, queue, now))
+        writes += [("PUBLISH", keys.done(queue), message) for message in done_messages(records)]
+        return writes
+
+
+async def _waiters_of(
+    session: Watching, keys: Keys, queue: str, job_ids: Sequence[str]
+) -> dict[str, list[str]]:
+    """Step 2 of `finish_many`: for jobs that others wait for, the members of their
+    ``after`` sets, watched from here on, once the keys their ends write are found to
+    be sets or absent (a failing write inside MULTI would lose the waiting jobs).
+
+    Step 1 watches only the records: a job's first dependent adds itself to ``after``
+    and sets ``waited`` in one transaction, which the record's WATCH sees, so the
+    ``after`` set of a job read as not waited for cannot change unseen; watching every
+    job's set there would double the keys of the WATCH, whose cost grows with the
+    square of their number on the server."""
+    if not job_ids:
+        return {}
+    released = keys.released(queue)
+    afters = [keys.after(queue, job_id) for job_id in job_ids]
+    kind, *sets = await session.look(
+        afters, [("TYPE", released), *(("SMEMBERS", a) for a in afters)]
+    )
+    if text(kind) not in ("set", "none"):
+        raise _corrupt(released, text(kind))
+    for after, found in zip(afters, sets, strict=True):
+        if isinstance(found, Exception):
+            if is_wrong_type(found):
+                raise _corrupt(after)
+            raise found
+    return {job_id: members(found) for job_id, found in zip(job_ids, sets, strict=True)}
+
+
+@redis_boundary
+async def fail(
+    r: Client,
+    keys: Keys,
+    ref: ProcessRef,
+    error: str,
+    now_ms: int | None = None,
+    *,
+    trace: str = "",
+    delay: float | None = None,
+    final: bool = False,
+    known: str | None = None,
+) -> str | None:
+    """End a failed attempt (see `_end_process`, ``known`` as there); return the task
+    as stored, or None.
+
+    A plain task, or a job at its last attempt (or ``final``), goes to the failed list
+    and the job's outcome is recorded. Another attempt of a job goes to the back of
+    the queue (no delay) or to the delayed set, due after ``delay`` seconds (default:
+    its backoff), as a new envelope whose attempt is one higher. A job that ended
+    meanwhile (cancelled) only has its process ended. An ``error`` with a lone
+    surrogate that stands for no byte is stored with it escaped (``\\ud800``): a
+    message that cannot be written would fail every time.
+      (a job) HMGET j:<id> state under WATCH     -> done/failed: no writes but 3-7
+      8. the failed list: RPUSH failed <record>
+            (a job) the writes of `_end_job` with the error;
+            PUBLISH done done:[{..., "job_id", "status": "failed", "error"}]
+         another attempt now: RPUSH tasks <envelope'>;  PUBLISH events work:1;
+            HSET j:<id> env <envelope'> state queued attempts <a> error <e>;  HDEL j:<id> due
+         another attempt later: ZADD delayed <due> <envelope'>;
+            HSET j:<id> env <envelope'> state delayed attempts <a> error <e> due <due>;
+            PUBLISH events delayed:<due>
+    """
+    queue = ref.queue
+    now = local_ms(now_ms)
+    error = escaped(error)  # a message (an exception's, say): shown escaped, not refused
+
+    def plan(task: str, envelope: Envelope | None, ended: bool, waits: list[str] | None) -> Ending:
+        if envelope is None:
+            record = failed_record(task, error, ref.worker_id, trace=trace)
+
+            def to_failed_list(pipe: Pipeline) -> None:
+                pipe.execute_command("RPUSH", keys.failed(queue), record)
+
+            return Ending(((keys.failed(queue), "list"),), to_failed_list)
+        header = envelope.header
+        job = keys.job(queue, header.id)
+        if ended:  # cancelled meanwhile
+            return Ending((), lambda pipe: None)
+        if final or header.attempt >= header.max_attempts:
+            record = failed_record(task, error, ref.worker_id, trace=trace, envelope=envelope)
+            notice = done_record(
+                ref.id,
+                ref.worker_id,
+                envelope.payload,
+                None,
+                job_id=header.id,
+                error=error,
+                attempts=header.attempt,
+            )
+
+            def to_failed(pipe: Pipeline) -> None:
+                pipe.execute_command("RPUSH", keys.failed(queue), record)
+                _end_job(pipe, keys, queue, header, now, error=error, waiters=waits)
+                _trim_jobs(pipe, keys, queue, now)
+                pipe.execute_command("PUBLISH", keys.done(queue), event("done", f"[{notice}]"))
+
+            needs = waited_keys(keys, queue, header.id) if waits is not None else ()
+            return Ending(((keys.failed(queue), "list"), *needs), to_failed)
+        wait = delay if delay is not None else backoff_delay(header)
+        again = wrap(header.next_attempt(), envelope.payload)
+        due = now + round(wait * 1000)
+        fields: list[str | int] = ["env", again, "attempts", header.attempt, "error", error]
+
+        back_to = keys.level(queue, header.priority)
+
+        def at_once(pipe: Pipeline) -> None:
+            pipe.execute_command("RPUSH", back_to, again)
+            pipe.execute_command(*announce(keys, queue, header.priority, 1))
+            pipe.execute_command("HSET", job, *fields, "state", "queued")
+            pipe.execute_command("HDEL", job, "due")
+
+        def later(pipe: Pipeline) -> None:
+            pipe.execute_command("ZADD", keys.delayed(queue), due, again)
+            pipe.execute_command("HSET", job, *fields, "state", "delayed", "due", due)
+            pipe.execute_command("PUBLISH", keys.events(queue), event("delayed", str(due)))
+
+        if wait <= 0:
+            return Ending(((back_to, "list"),), at_once)
+        return Ending(((keys.delayed(queue), "zset"),), later)
+
+    checks = [(keys.failed(queue), "list")]
+    if known is None or envelope_of(known) is not None:
+        checks += [(key, "list") for key in keys.levels(queue)] + [(keys.delayed(queue), "zset")]
+    return await _end_process(r, keys, ref, plan, known=known, checks=checks)
+
+
+def backoff_delay(header: Header) -> float:
+    """Seconds before the attempt after ``header``'s, by its backoff."""
+    initial, factor, maximum, jitter = header.backoff
+    return Backoff(initial, factor, maximum, jitter).delay(header.attempt)

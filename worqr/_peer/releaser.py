@@ -1,0 +1,73 @@
+"""Release of waiting jobs: each worker judges the jobs handed to its queues'
+``released`` sets (`_ops_deps.release`) when the ``released`` event says that a
+dependency ended.
+
+No peer owns a queue's releases: every worker of the queue hears the event, and WATCH
+lets the one that comes first judge each job while the others find nothing left. An
+event missed (a reconnect) or a release that failed is made up for by each worker's
+periodic self-check, which counts the ``released`` set of every queue it works on.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from .. import _ops
+from .._errors import BackendError
+from .._layout.keys import Keys
+from .._log import PeerLog
+from .._ops import deps as _ops_deps
+from .._redis.connections import Client
+from .._redis.reach import Reach
+
+
+class Releaser:
+    """The releases of one worker, for the queues it works on."""
+
+    def __init__(self, client: Client, keys: Keys, log: PeerLog, reach: Reach) -> None:
+        self._client = client
+        self._keys = keys
+        self._log = log
+        self._reach = reach
+        self._queues: set[str] = set()
+        self._pending: set[str] = set()  # queues whose released set may hold jobs
+        self._wake = anyio.Event()
+
+    def watch(self, queue: str) -> None:
+        """Release for ``queue`` from now on, starting with a look at once."""
+        self._queues.add(queue)
+        self.note(queue)
+
+    def note(self, queue: str) -> None:
+        """``queue``'s released set may hold jobs: release soon."""
+        if queue in self._queues:
+            self._pending.add(queue)
+            self._wake.set()
+
+    def hook(self, queue: str, kind: str, message: str) -> None:
+        """Take the ``released`` event."""
+        if kind == _ops.writes.RELEASED_EVENT:
+            self.note(queue)
+
+    def forget(self, queue: str) -> None:
+        """Stop releasing for a queue this worker no longer works on."""
+        self._queues.discard(queue)
+        self._pending.discard(queue)
+
+    async def run(self) -> None:
+        """Release each noted queue, for good. A release that fails is logged and not
+        tried again until the queue is noted anew (by an event or the self-check, so
+        at most once per self-check for a fault that stays)."""
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while self._pending:
+                queue = self._pending.pop()
+                try:
+                    await _ops_deps.release(self._client, self._keys, queue)
+                except BackendError as exc:
+                    self._reach.failed("releasing waiting jobs failed", exc, queue=queue)
+                except Exception:
+                    self._log.exception("releasing waiting jobs failed", extra={"queue": queue})
+                else:
+                    self._reach.answered()
