@@ -14,11 +14,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .state import ENDED, LIVE, JobState
+
 MAX_DEPENDENCIES = 1000
 """The most ids one job may wait for."""
-
-LIVE = frozenset({"waiting", "queued", "delayed"})
-"""The states of a record whose life has not ended (a running job's is ``queued``)."""
 
 
 def encode(waits: Mapping[str, str]) -> str:
@@ -86,14 +85,14 @@ def judge(waits: Mapping[str, str], found: Mapping[str, Dependency]) -> Verdict:
         dep = found[job_id]
         if dep.state is None:
             return Verdict(f"dependency {job_id!r}: its outcome is gone (expired or deleted)", {})
-        if dep.state not in LIVE and dep.state not in ("done", "failed"):
+        if dep.state not in LIVE and dep.state not in ENDED:
             return Verdict(f"dependency {job_id!r}: its record is unreadable", {})
         if dep.life != life:
             return Verdict(
                 f"dependency {job_id!r} was submitted anew before this job could read its outcome",
                 {},
             )
-        if dep.state == "failed":
+        if dep.state == JobState.FAILED.value:
             return Verdict(_bounded(f"dependency {job_id!r} failed: {dep.error}"), {})
         if dep.state in LIVE:
             pending[job_id] = life

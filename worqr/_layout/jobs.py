@@ -1,4 +1,5 @@
-"""The job model's public values: options, the handle, what a job looks like now."""
+"""The job model's public values: options, backoff, retries, and what a job looks
+like now."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from .._errors import WorqrError
 from .envelope import MAX_SECONDS, MAX_UNIX_MS, Envelope, Header, new_job_id, wrap
 from .levels import check_priority
+from .state import JobState
 
 _RANDOM = random.Random()  # not the module's generator, which the application owns
 
@@ -84,25 +86,25 @@ class Retry(WorqrError):
 
 
 class JobStatus(str, enum.Enum):
-    """Where a job is now."""
+    """Where a job is now: its record's `JobState`, or running, or unknown."""
 
-    WAITING = "waiting"
+    WAITING = JobState.WAITING.value
     """Submitted with ``after``: waits for those jobs to end done."""
-    QUEUED = "queued"
-    DELAYED = "delayed"
+    QUEUED = JobState.QUEUED.value
+    DELAYED = JobState.DELAYED.value
     RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
+    DONE = JobState.DONE.value
+    FAILED = JobState.FAILED.value
     UNKNOWN = "unknown"
     """Never seen, deleted, or its outcome expired (``result_ttl``)."""
     # The same members under their wire names (``JobStatus.done is JobStatus.DONE``).
-    waiting = "waiting"
-    queued = "queued"
-    delayed = "delayed"
-    running = "running"
-    done = "done"
-    failed = "failed"
-    unknown = "unknown"
+    waiting = WAITING
+    queued = QUEUED
+    delayed = DELAYED
+    running = RUNNING
+    done = DONE
+    failed = FAILED
+    unknown = UNKNOWN
 
     def __str__(self) -> str:
         return self.value

@@ -12,6 +12,7 @@ from .._errors import (
 )
 from .._layout.deps import dependencies_of
 from .._layout.keys import Keys
+from .._layout.state import LIVE, JobState
 from .._redis.connections import Client as Client
 from .._redis.replies import text
 from .commands import _optimistic, read
@@ -48,14 +49,14 @@ async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int
 
     async def body(pipe: Pipeline) -> bool:
         state, raw, waited_on, after = await read(pipe, "HMGET", record, *LOOK, "after")
-        if state is None or raw is None or text(state) not in ("waiting", "queued", "delayed"):
+        if state is None or raw is None or text(state) not in LIVE:
             return False
         envelope = envelope_of(text(raw))
         if envelope is None:
             return False
         attempts = envelope.header.attempt - 1  # the attempts that ended
         waits_in = keys.level(queue, envelope.header.priority)
-        if text(state) == "queued" and not await _still_queued(pipe, waits_in, raw):
+        if text(state) == JobState.QUEUED.value and not await _still_queued(pipe, waits_in, raw):
             attempts += 1  # not in the list: an attempt runs (and counts)
         waiters = None
         if waited_on is not None:
@@ -64,7 +65,7 @@ async def cancel_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: int
         pipe.execute_command("LREM", waits_in, 0, envelope.raw)
         pipe.execute_command("ZREM", keys.delayed(queue), envelope.raw)
         pipe.execute_command("HDEL", keys.deaths(queue), f"job:{job_id}")
-        if text(state) == "waiting":  # its entries go (stale ones would be harmless)
+        if text(state) == JobState.WAITING.value:  # its entries go (stale ones would be harmless)
             pipe.execute_command("SREM", keys.released(queue), job_id)
             for dependency in dependencies_of(None if after is None else text(after)):
                 pipe.execute_command("SREM", keys.after(queue, dependency), job_id)

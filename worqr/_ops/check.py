@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import anyio
 
 from .._errors import CorruptDataError, InvalidProcessIdError, is_wrong_type, redis_boundary
-from .._layout.deps import LIVE, decode
+from .._layout.deps import decode
 from .._layout.flow import Flow, read_flow
 from .._layout.keys import TYPES, Keys
 from .._layout.names import parse_process_id
 from .._layout.schedules import Definition
+from .._layout.state import IN_QUEUE, LIVE, JobState
 from .._redis.connections import Client
 from .._redis.replies import fields_of, members, text
 from .commands import Command, reads
@@ -176,9 +177,9 @@ async def _read(r: Client, keys: Keys) -> _State:
     live_jobs = {
         key: text(fields[1])
         for key, fields in states
-        if text(fields[0]) in ("queued", "delayed") and fields[1] is not None
+        if text(fields[0]) in IN_QUEUE and fields[1] is not None
     }
-    waiting = {key for key, fields in states if text(fields[0]) == "waiting"}
+    waiting = {key for key, fields in states if text(fields[0]) == JobState.WAITING.value}
     workers, queues = set(members(replies[0])), set(members(replies[1]))
     endless = [keys.supervision_lease] if replies[2] == -1 else []
     at = 3
@@ -591,7 +592,7 @@ async def _stuck_waiting(
             if released == 0
             and not is_wrong_type(record)
             and record[0] is not None
-            and text(record[0]) == "waiting"
+            and text(record[0]) == JobState.WAITING.value
         }
         pairs = [(entry, dep, life) for entry, deps in waits.items() for dep, life in deps.items()]
         replies = await reads(

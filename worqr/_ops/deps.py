@@ -30,6 +30,7 @@ from .._errors import (
 from .._layout.deps import FIELDS, MAX_DEPENDENCIES, Dependency, Verdict, decode, encode, judge
 from .._layout.envelope import Envelope, Header
 from .._layout.keys import Keys
+from .._layout.state import JobState
 from .._redis.connections import Client, on_slot, pinned
 from .._redis.replies import members, server_ms, text
 from .commands import (
@@ -178,7 +179,7 @@ def _writes(
         submit_writes(pipe, keys, queue, jobs, life=life)
         return
     for job in jobs:
-        _record_job(pipe, keys, queue, job.envelope, "waiting", job.due_ms, life=life)
+        _record_job(pipe, keys, queue, job.envelope, JobState.WAITING.value, job.due_ms, life=life)
     if verdict.failed is not None:
         now = int(jobs[0].envelope.header.enqueued_at)
         for job in jobs:
@@ -363,7 +364,9 @@ async def release(r: Client, keys: Keys, queue: str) -> int:
 def _waiting(job_id: str, reply: Any) -> _Waiting | None:
     """The waiting job of an ``HMGET j:<id> state env after due waited`` reply; None
     for a record that is not waiting (ended, released meanwhile, gone, unreadable)."""
-    if is_wrong_type(reply) or not reply or reply[0] is None or text(reply[0]) != "waiting":
+    if is_wrong_type(reply) or not reply or reply[0] is None:
+        return None
+    if text(reply[0]) != JobState.WAITING.value:
         return None
     raw, after, due, waited = (None if part is None else text(part) for part in reply[1:])
     return _Waiting(
@@ -442,13 +445,13 @@ def _ready(
     record = keys.job(queue, envelope.header.id)
     if due_ms is not None and due_ms > now:
         pipe.execute_command("ZADD", keys.delayed(queue), due_ms, envelope.raw)
-        pipe.execute_command("HSET", record, "state", "delayed")
+        pipe.execute_command("HSET", record, "state", JobState.DELAYED.value)
         pipe.execute_command("HDEL", record, "after")
         pipe.execute_command("PUBLISH", keys.events(queue), event(DUE_EVENT, str(due_ms)))
         return
     level = envelope.header.priority
     pipe.execute_command("RPUSH", keys.level(queue, level), envelope.raw)
-    pipe.execute_command("HSET", record, "state", "queued")
+    pipe.execute_command("HSET", record, "state", JobState.QUEUED.value)
     pipe.execute_command("HDEL", record, "after", "due")
     pipe.execute_command(*announce(keys, queue, level, 1))
 

@@ -24,6 +24,7 @@ from .._layout.jobs import Backoff
 from .._layout.keys import Keys
 from .._layout.models import Process, escaped
 from .._layout.names import ProcessRef, split_process_id
+from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.connections import on_slot
 from .._redis.replies import members, text
@@ -259,7 +260,7 @@ def job_end(
     record = keys.job(queue, header.id)
     fields: list[str | int] = [
         "state",
-        "done" if error is None else "failed",
+        JobState.DONE.value if error is None else JobState.FAILED.value,
         "attempts",
         header.attempt if attempts is None else attempts,
         "finished",
@@ -603,12 +604,12 @@ async def fail(
         def at_once(pipe: Pipeline) -> None:
             pipe.execute_command("RPUSH", back_to, again)
             pipe.execute_command(*announce(keys, queue, header.priority, 1))
-            pipe.execute_command("HSET", job, *fields, "state", "queued")
+            pipe.execute_command("HSET", job, *fields, "state", JobState.QUEUED.value)
             pipe.execute_command("HDEL", job, "due")
 
         def later(pipe: Pipeline) -> None:
             pipe.execute_command("ZADD", keys.delayed(queue), due, again)
-            pipe.execute_command("HSET", job, *fields, "state", "delayed", "due", due)
+            pipe.execute_command("HSET", job, *fields, "state", JobState.DELAYED.value, "due", due)
             pipe.execute_command("PUBLISH", keys.events(queue), event("delayed", str(due)))
 
         if wait <= 0:

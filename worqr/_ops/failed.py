@@ -17,6 +17,7 @@ from .._errors import (
 from .._layout.envelope import Envelope, wrap
 from .._layout.keys import Keys
 from .._layout.models import FailedTask
+from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.replies import text
 from .commands import _optimistic, _require, read, reads
@@ -95,7 +96,7 @@ async def retry_failed(
             )
             for _, env in moved:
                 if env is not None:
-                    _record_job(pipe, keys, queue, env, "queued", life=life)
+                    _record_job(pipe, keys, queue, env, JobState.QUEUED.value, life=life)
         return len(moved)
 
     if limit is not None and limit <= 0:

@@ -17,6 +17,7 @@ from .._errors import (
 from .._layout.flow import Flow, read_flow
 from .._layout.keys import Keys
 from .._layout.models import Process, WorkerInfo
+from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.replies import fields_of, members, text
 from .commands import Command, _optimistic, call, read, reads
@@ -48,7 +49,7 @@ async def job_record(
         return None
     fields = fields_of(raw)
     queued = True
-    if locate and fields.get("state") == "queued" and "env" in fields:
+    if locate and fields.get("state") == JobState.QUEUED.value and "env" in fields:
         level = level_of_stored(fields["env"])
         queued = await read(r, "LPOS", keys.level(queue, level), fields["env"]) is not None
     return JobRecord(fields, queued)

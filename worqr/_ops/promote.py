@@ -19,6 +19,7 @@ from .._errors import (
     redis_boundary,
 )
 from .._layout.keys import Keys
+from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.connections import on_slot
 from .._redis.replies import _first_due, _ms, _pairs, _reached, server_ms, text
@@ -151,7 +152,7 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
         for i in moved:
             job_id = ids[i]
             if job_id is not None:
-                writes.append(("HSET", keys.job(queue, job_id), "state", "queued"))
+                writes.append(("HSET", keys.job(queue, job_id), "state", JobState.QUEUED.value))
                 writes.append(("HDEL", keys.job(queue, job_id), "due"))
         if single:
             writes.append(("SADD", keys.queues, queue))

@@ -15,6 +15,7 @@ from .._errors import (
 )
 from .._layout.keys import Keys
 from .._layout.names import parse_process_id, split_process_id
+from .._layout.state import IN_QUEUE
 from .._redis.connections import Client as Client
 from .._redis.replies import members, text
 from .commands import Command, _beside, _corrupt, _optimistic, _require, call, read
@@ -248,7 +249,7 @@ async def index_job(r: Client, keys: Keys, queue: str, job_id: str) -> bool:
 
     async def body(pipe: Pipeline) -> bool:
         state = await read(pipe, "HGET", record, "state")
-        live = state is not None and text(state) in ("queued", "delayed")
+        live = state is not None and text(state) in IN_QUEUE
         if not live or live_score(await read(pipe, "ZSCORE", keys.jobs(queue), job_id)):
             await pipe.reset()
             return False
@@ -286,7 +287,7 @@ async def end_lost_job(r: Client, keys: Keys, queue: str, job_id: str, now_ms: i
     async def body(pipe: Pipeline) -> bool:
         state, raw, waited_on = await read(pipe, "HMGET", record, *LOOK)
         envelope = None if raw is None else envelope_of(text(raw))
-        if state is None or text(state) not in ("queued", "delayed") or envelope is None:
+        if state is None or text(state) not in IN_QUEUE or envelope is None:
             return False
         env = envelope.raw
         waits_in = keys.level(queue, envelope.header.priority)

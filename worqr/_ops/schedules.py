@@ -16,6 +16,7 @@ from .._errors import CorruptDataError, is_wrong_type, redis_boundary
 from .._layout.envelope import Envelope
 from .._layout.keys import Keys
 from .._layout.schedules import Definition
+from .._layout.state import JobState
 from .._redis.connections import Client
 from .._redis.replies import fields_of, members, server_ms, text
 from .commands import Command, _beside, _corrupt, _optimistic, _raise_wrong, call, read, reads
@@ -339,7 +340,7 @@ async def fire_due(r: Client, keys: Keys, queue: str, names: Sequence[str]) -> d
             if late:
                 pipe.execute_command("HINCRBY", key, "late", len(late))
             for envelope in envelopes:
-                _record_job(pipe, keys, queue, envelope, "queued", life=life)
+                _record_job(pipe, keys, queue, envelope, JobState.QUEUED.value, life=life)
             pushed.setdefault(made.priority, []).extend(envelopes)
             done[name] = Firing(
                 [e.header.id for e in envelopes], skipped, done[name].next_ms, now, late

@@ -23,6 +23,7 @@ from .._errors import (
 )
 from .._layout.envelope import Envelope
 from .._layout.keys import Keys
+from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.connections import NotApplied, on_slot, pinned
 from .._redis.replies import text
@@ -190,7 +191,7 @@ def submit_writes(
     ready = [job.envelope.raw for job in jobs if job.due_ms is None]
     later = [job for job in jobs if job.due_ms is not None]
     for job in jobs:
-        state = "queued" if job.due_ms is None else "delayed"
+        state = JobState.QUEUED.value if job.due_ms is None else JobState.DELAYED.value
         _record_job(pipe, keys, queue, job.envelope, state, job.due_ms, life=life)
     if ready:
         pipe.execute_command("RPUSH", keys.level(queue, level), *ready)

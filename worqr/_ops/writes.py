@@ -21,6 +21,7 @@ from .._layout.keys import Keys
 from .._layout.levels import LEVELS
 from .._layout.models import Process, readable
 from .._layout.names import parse_process_id
+from .._layout.state import ENDED
 from .._redis.connections import Client as Client
 from .._redis.replies import members, text
 from .._redis.wire import Wire
@@ -245,12 +246,9 @@ def _says_ended(reply: Any, envelope: str) -> bool:
     unreadable record says nothing (the check's to report)."""
     if is_wrong_type(reply) or not reply or reply[0] is None:
         return False
-    if text(reply[0]) in _ENDED_STATES:
+    if text(reply[0]) in ENDED:
         return True
     return reply[1] is not None and text(reply[1]) != envelope
-
-
-_ENDED_STATES = ("done", "failed")
 
 
 WAITED_KEEP_MS = 3_600_000

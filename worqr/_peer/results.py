@@ -19,6 +19,7 @@ from typing import Any
 from .._errors import ClosedError, JobFailedError
 from .._layout.deps import dependencies_of
 from .._layout.jobs import JobInfo, JobStatus
+from .._layout.state import JobState
 from .._ops.inspect import JobRecord
 from .events import Events
 
@@ -149,7 +150,7 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
     fields = found.fields
     state = fields.get("state", "")
     attempts = _int(fields.get("attempts"))
-    if state == "queued" and not found.queued:
+    if state == JobState.QUEUED.value and not found.queued:
         status, attempts = JobStatus.RUNNING, attempts + 1
     else:
         status = JobStatus(state) if state in _STATES else JobStatus.UNKNOWN
@@ -164,7 +165,9 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
         enqueued_at=_int(fields.get("enqueued")) / 1000,
         due_at=_seconds(fields.get("due")),
         finished_at=_seconds(fields.get("finished")),
-        after=tuple(dependencies_of(fields.get("after"))) if state == "waiting" else (),
+        after=tuple(dependencies_of(fields.get("after")))
+        if state == JobState.WAITING.value
+        else (),
     )
 
 
@@ -193,7 +196,7 @@ _CUT = (
     " and the notice carried only part of it"
 )
 _LINGER = 2.0  # seconds a done channel stays subscribed after its last waiter left
-_STATES = {"waiting", "queued", "delayed", "done", "failed"}
+_STATES = {state.value for state in JobState}
 _ENDED = (JobStatus.DONE, JobStatus.FAILED)
 
 
