@@ -25,7 +25,8 @@ PYTEST_NO_TESTS = 5
 USAGE = """usage: python3 dev.py VERB [ARGS...]
   test   run pytest under coverage in two processes (ARGS go to pytest; -n 0 for one),
          then the coverage report
-  lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy
+  lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy, and the
+         layer contract (lint-imports)
   demo   python -m worqr demo ARGS
   install-check  pip install this checkout into a fresh venv; run worqr --version
   long   the tests outside the suite's time budget (ARGS go to pytest): the quick
@@ -88,6 +89,7 @@ def lint(args: list[str]) -> int:
         run(PYTHON, "-m", "ruff", "check", ".", *args),
         run(PYTHON, "-m", "ruff", "format", "--check", "."),
         run(PYTHON, "-m", "mypy"),
+        run(VENV / "bin" / "lint-imports", "--no-cache"),
     ]
     return next((code for code in codes if code != 0), 0)
 

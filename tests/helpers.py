@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
@@ -82,3 +84,18 @@ def reap(child: subprocess.Popen[str]) -> None:
     child.wait(5)
     if child.stdout is not None:
         child.stdout.close()
+
+
+def patch_everywhere(monkeypatch: pytest.MonkeyPatch, original: object, replacement: object) -> int:
+    """Replace ``original`` by ``replacement`` in every worqr module that imported it by
+    name (each caller looks a function up in its own module); in how many modules."""
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "worqr" or name.startswith("worqr.")):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if value is original:
+                monkeypatch.setattr(module, attribute, replacement)
+                count += 1
+    assert count, f"no worqr module holds {original!r}"
+    return count

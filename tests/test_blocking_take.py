@@ -24,7 +24,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from worqr import Process, Worqr, _ops
 from worqr._layout.keys import Keys
 from worqr._layout.names import new_process_id
-from worqr._ops import block as _ops_block
 from worqr._redis import wire as _wire
 from worqr.testing import EmbeddedServer
 
@@ -167,7 +166,7 @@ async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
     await real_client.sadd(keys.worker_queues("w9"), "q")  # it works on q
     try:
         pid = new_process_id("w9", "q").id
-        armed = await _ops_block.arm(
+        armed = await _ops.block.arm(
             connection,
             keys,
             "w9",
@@ -181,7 +180,7 @@ async def test_a_peer_stands_back_while_a_take_refreshes_the_heartbeat(
         assert await _ops.workers.fail_worker(real_client, keys, "w9", only_if_dead=True) is None
         assert await real_client.sismember(keys.blocking("q", "w9"), pid)
         await real_client.rpush(keys.tasks("q"), "T1")  # the block moves it
-        done = await _ops_block.outcome(connection, keys, "w9", "q", 0.2)
+        done = await _ops.block.outcome(connection, keys, "w9", "q", 0.2)
         assert done.task == "T1" and not done.leveled
         await eventually(lambda: _expired(real_client, keys.heartbeat("w9")))
         failed = await _ops.workers.fail_worker(real_client, keys, "w9", only_if_dead=True)
@@ -469,7 +468,7 @@ async def test_a_task_moved_by_a_block_whose_arm_reply_was_lost_runs_at_once(
             raise RedisConnectionError("connection lost before the replies were read")
         return await replies(connection, count, limit)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_ops_block, "replies", losing)
+    monkeypatch.setattr(_ops.block, "replies", losing)
     ran: list[str] = []
 
     async def handler(process: Process) -> None:

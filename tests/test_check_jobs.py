@@ -13,7 +13,7 @@ from worqr import JobFailedError, JobStatus, Process, Retry, Worqr, _ops
 from worqr._ops import check as _check
 from worqr._redis.connections import Client
 
-from .helpers import Factory, eventually
+from .helpers import Factory, eventually, patch_everywhere
 
 ID = "0" * 22
 
@@ -183,7 +183,7 @@ async def test_the_lost_job_repair_never_ends_a_job_handed_back_between_its_look
             assert await worker.stop_process(process)
         return await beside(pipe, commands)
 
-    monkeypatch.setattr(_ops, "_beside", racing)
+    patch_everywhere(monkeypatch, beside, racing)
     now = await admin._clock.now_ms(admin._redis)
     assert not await _ops.repairs.end_lost_job(admin._redis, admin._keys, "q", job.id, now)
     assert handed_back

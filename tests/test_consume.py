@@ -388,7 +388,7 @@ async def test_shutdown_tries_again_to_hand_back_when_the_server_was_unreachable
             raise BackendUnavailableError("connection lost while a transaction was in flight")
         return await real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_ops, "fail_worker", cut_once)
+    monkeypatch.setattr(_ops.workers, "fail_worker", cut_once)
     await worker.shutdown(grace=0.1)
     assert tries == [worker.worker_id] * 2
     assert await peer.get_tasks("jobs") == ["a", "b"]

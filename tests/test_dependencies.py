@@ -28,7 +28,6 @@ from worqr import (
     _ops,
 )
 from worqr._layout.deps import MAX_DEPENDENCIES, MAX_ERROR
-from worqr._ops import deps as _ops_deps
 from worqr._redis.wire import Watching, Wire
 
 from .helpers import Factory, eventually, raw_keys
@@ -434,20 +433,20 @@ async def test_hostile_records_fail_their_own_job_and_block_no_other(
     await real_client.hset(key(prefix, "j", "on-c"), "after", json.dumps(huge))
     await real_client.set(key(prefix, "after", "a"), "x")  # on-a's and good's to wait in
     await real_client.sadd(key(prefix, "released"), "on-a", "on-b", "on-c", "good")
-    released = await _ops_deps.release(producer._redis, producer._keys, Q)
+    released = await _ops.deps.release(producer._redis, producer._keys, Q)
     assert released == 2  # on-a and good stay for later: their set is of the wrong type
     info_b, info_c = await on_b.info(), await on_c.info()
     assert info_b is not None and info_b.error == "dependency 'b': its record is unreadable"
     assert info_c is not None and info_c.error == "its list of dependencies is longer than 1000"
     assert {await on_a.status(), await good.status()} == {JobStatus.WAITING}
     with pytest.raises(CorruptDataError):  # nothing else to judge: the key is named
-        await _ops_deps.release(producer._redis, producer._keys, Q)
+        await _ops.deps.release(producer._redis, producer._keys, Q)
     await real_client.delete(key(prefix, "after", "a"))
-    assert await _ops_deps.release(producer._redis, producer._keys, Q) == 2
+    assert await _ops.deps.release(producer._redis, producer._keys, Q) == 2
     assert await real_client.smembers(key(prefix, "after", "a")) == {"on-a", "good"}
     # Ids of no waiting job (stale, or written by hand) are only dropped.
     await real_client.sadd(key(prefix, "released"), "ghost", "on-b")
-    assert await _ops_deps.release(producer._redis, producer._keys, Q) == 2
+    assert await _ops.deps.release(producer._redis, producer._keys, Q) == 2
     assert await real_client.exists(key(prefix, "released")) == 0
 
 

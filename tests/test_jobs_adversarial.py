@@ -45,7 +45,7 @@ from worqr._layout.envelope import MARKER
 from worqr._layout.names import new_process_id
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, RELAXED, Factory, eventually, raw_keys
+from .helpers import FAST, RELAXED, Factory, eventually, patch_everywhere, raw_keys
 from .helpers import consuming as consuming_queue
 from .proxy import LatencyProxy
 
@@ -922,17 +922,17 @@ async def paused_after(
             await pause_if(tuple(command))
         return replies
 
-    monkeypatch.setattr(worqr._ops, "read", pausing)
-    monkeypatch.setattr(worqr._ops, "reads", pausing_all)
-    monkeypatch.setattr(worqr._ops, "_beside", pausing_beside)
+    patch_everywhere(monkeypatch, read, pausing)
+    patch_everywhere(monkeypatch, reads, pausing_all)
+    patch_everywhere(monkeypatch, beside, pausing_beside)
     monkeypatch.setattr(worqr._redis.wire.Watching, "look", pausing_look)
     try:
         yield paused, resume
     finally:
         resume.set()
-        monkeypatch.setattr(worqr._ops, "read", read)
-        monkeypatch.setattr(worqr._ops, "reads", reads)
-        monkeypatch.setattr(worqr._ops, "_beside", beside)
+        patch_everywhere(monkeypatch, pausing, read)
+        patch_everywhere(monkeypatch, pausing_all, reads)
+        patch_everywhere(monkeypatch, pausing_beside, beside)
 
 
 async def test_two_submits_of_one_id_racing_write_it_once(
@@ -1103,10 +1103,10 @@ async def test_a_deadline_recorded_after_its_queue_was_deleted_leaves_nothing_be
         await set_deadlines(*args)
         wrote.append(await real_client.zcard(key(prefix, "deadlines")))
 
-    monkeypatch.setattr(worqr._ops, "set_deadlines", deleting_first)
+    monkeypatch.setattr(worqr._ops.end, "set_deadlines", deleting_first)
     await admin.submit(Q, "x", timeout=30)
     process = await worker.dequeue(Q)
-    monkeypatch.setattr(worqr._ops, "set_deadlines", set_deadlines)
+    monkeypatch.setattr(worqr._ops.end, "set_deadlines", set_deadlines)
     assert process is not None and wrote == [1]  # the race took place
     assert not await worker.finish_process(process, "late")  # the process is gone
     await worker.stop_work(Q)

@@ -148,13 +148,13 @@ async def test_a_version_2_peer_refuses_protocol_3_data(
     """A peer that only knows version 2, simulated: this library with its list of
     known versions cut down to "2"."""
     await real_make().enqueue(Q, "plain")
-    monkeypatch.setattr(worqr._ops, "PROTOCOLS", frozenset({"2"}))
+    monkeypatch.setattr(worqr._ops.inspect, "PROTOCOLS", frozenset({"2"}))
     async with Worqr.from_url(redis_url, prefix=prefix, **FAST):
         pass  # plain data: it starts
     monkeypatch.undo()
     await real_make().submit(Q, "a job")
     assert await real_client.get(f"{prefix}:protocol") == "3"
-    monkeypatch.setattr(worqr._ops, "PROTOCOLS", frozenset({"2"}))
+    monkeypatch.setattr(worqr._ops.inspect, "PROTOCOLS", frozenset({"2"}))
     with pytest.raises(ProtocolVersionError, match="'3'"):
         async with Worqr.from_url(redis_url, prefix=prefix, **FAST):
             pass

@@ -477,7 +477,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
         stalled.set()
         return await real(*args, **kwargs)  # type: ignore[operator]
 
-    monkeypatch.setattr(_ops, "finish_many" if how == "finish" else "fail", late)
+    monkeypatch.setattr(_ops.end, "finish_many" if how == "finish" else "fail", late)
     if how == "finish":
         await worker._settle(taken, "finish", "ok")
     else:

@@ -20,8 +20,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from worqr import Worqr, _ops
 from worqr._layout.keys import Keys
+from worqr._redis.connections import on_slot
 
-from .helpers import FAST, eventually
+from .helpers import FAST, eventually, patch_everywhere
 
 _T = TypeVar("_T")
 LEFTOVER_BOUND = 10.0  # seconds: worker_timeout (0.5 s) plus many cleanup intervals (0.1 s)
@@ -67,7 +68,7 @@ async def test_a_crash_between_the_registration_steps_leaves_no_key_behind(
     keys = Keys(fleet.prefix)
     worker_id = f"crashed-{uuid.uuid4().hex[:8]}"
     steps: list[str] = []
-    real_on_slot = _ops.on_slot  # MOVED:worqr._redis.connections  # type: ignore[attr-defined]
+    real_on_slot = on_slot
 
     registering: list[asyncio.Task[Any] | None] = []
 
@@ -80,7 +81,7 @@ async def test_a_crash_between_the_registration_steps_leaves_no_key_behind(
             steps.append(key)
         return await real_on_slot(client, key, run)
 
-    monkeypatch.setattr(_ops, "on_slot", dies_after_one_step)
+    patch_everywhere(monkeypatch, real_on_slot, dies_after_one_step)
     registering.append(asyncio.current_task())
     with pytest.raises(_Crash):
         await _ops.workers.register_worker(cluster, keys, worker_id, 500, ["jobs"])

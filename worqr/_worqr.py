@@ -73,10 +73,6 @@ from ._layout.names import (
 )
 from ._layout.schedules import ScheduleInfo, check_name, definition, stored_options
 from ._log import PeerLog
-from ._ops import block as _ops_block
-from ._ops import deps as _ops_deps
-from ._ops import flow as _ops_flow
-from ._ops import schedules as _ops_schedules
 from ._ops.check import CheckReport, Problem, inspect
 from ._ops.commands import read
 from ._peer.consumer import Consumer, Handler
@@ -113,7 +109,7 @@ _ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
 _BLOCK_SECONDS = 1.5
 """How long one blocking take waits for a task (at most half of ``worker_timeout``):
-an idle consumer re-arms it this often (see `_ops_block`)."""
+an idle consumer re-arms it this often (see `_ops.block`)."""
 _BLOCK_ARM_LIMIT = 10.0  # seconds the transaction that begins a block may take
 _BLOCK_MARGIN = 0.5  # seconds beyond a block's end before its id is given up
 _BLOCK_REST = 5.0  # seconds without blocking takes of a queue after one failed
@@ -672,7 +668,7 @@ class Worqr:
         jobs = [_ops.submit.Submission(envelope, due) for envelope in envelopes]
         check = given is not None or choices.unique
         if after:
-            confirmed = await _ops_deps.submit_after(
+            confirmed = await _ops.deps.submit_after(
                 self._redis, self._keys, queue, jobs, after, wait=self._wait
             )
         else:
@@ -716,7 +712,7 @@ class Worqr:
         # The jobs waiting for it fail now, not when a worker of the queue comes by
         # (any peer may release; a worker's own release would find nothing left).
         try:
-            await _ops_deps.release(self._redis, self._keys, queue)
+            await _ops.deps.release(self._redis, self._keys, queue)
         except BackendError as exc:
             self._log.warning("releasing the jobs waiting for a cancelled job failed: %s", exc)
         return True
@@ -798,27 +794,27 @@ class Worqr:
         # The registry first: from then on a copy in another queue is an orphan, which
         # its workers drop instead of firing. A move takes the old copy's record along
         # (dropped first, so that no tick is submitted by both copies, nor by neither).
-        before = await _ops_schedules.claim(self._redis, self._keys, name, queue)
+        before = await _ops.schedules.claim(self._redis, self._keys, name, queue)
         carried = None
         if before is not None and before != queue:
-            carried = await _ops_schedules.drop(self._redis, self._keys, before, name)
-        await _ops_schedules.store(self._redis, self._keys, queue, name, made, carried)
+            carried = await _ops.schedules.drop(self._redis, self._keys, before, name)
+        await _ops.schedules.store(self._redis, self._keys, queue, name, made, carried)
 
     async def unschedule(self, name: str) -> bool:
         """Remove the schedule ``name`` (jobs it submitted stay); whether it existed."""
         check_name(name)
-        queue = await _ops_schedules.claim(self._redis, self._keys, name, None)
+        queue = await _ops.schedules.claim(self._redis, self._keys, name, None)
         if queue is None:
             return False
-        await _ops_schedules.drop(self._redis, self._keys, queue, name)
+        await _ops.schedules.drop(self._redis, self._keys, queue, name)
         return True
 
     async def get_schedules(self) -> list[ScheduleInfo]:
         """Every schedule, sorted by name (in two round trips), with its latest tick
         and the next one (by the server's clock)."""
-        names = await _ops_schedules.registry(self._redis, self._keys)
+        names = await _ops.schedules.registry(self._redis, self._keys)
         where = sorted(names.items())
-        found = await _ops_schedules.read_schedules(self._redis, self._keys, where)
+        found = await _ops.schedules.read_schedules(self._redis, self._keys, where)
         now = await self._clock.now_ms(self._redis)
         return [s.definition.info(s.name, s.queue, s.state, now) for s in found if s.definition]
 
@@ -830,15 +826,15 @@ class Worqr:
         this returned takes a task."""
         check_queue(queue)
         await self._enable_jobs()  # version-2 peers know no pause: they must refuse to start
-        await _ops_flow.pause(self._redis, self._keys, queue)
+        await _ops.flow.pause(self._redis, self._keys, queue)
 
     async def resume_queue(self, queue: str) -> None:
         """Resume a paused queue (its workers wake at once)."""
-        await _ops_flow.resume(self._redis, self._keys, check_queue(queue))
+        await _ops.flow.resume(self._redis, self._keys, check_queue(queue))
 
     async def is_paused(self, queue: str) -> bool:
         """Whether the queue is paused."""
-        return (await _ops_flow.get_flow(self._redis, self._keys, check_queue(queue))).paused
+        return (await _ops.flow.get_flow(self._redis, self._keys, check_queue(queue))).paused
 
     async def set_rate_limit(self, queue: str, limit: int | None, per: float | None = None) -> None:
         """Let the whole fleet start at most ``limit`` tasks of the queue in any ``per``
@@ -848,11 +844,11 @@ class Worqr:
         checked = check_rate_limit(limit, per)
         limit_, per_ms = (None, 0) if checked is None else checked
         await self._enable_jobs()  # version-2 peers know no limit: they must refuse to start
-        await _ops_flow.set_rate_limit(self._redis, self._keys, queue, limit_, per_ms)
+        await _ops.flow.set_rate_limit(self._redis, self._keys, queue, limit_, per_ms)
 
     async def get_rate_limit(self, queue: str) -> RateLimit | None:
         """The queue's rate limit (``limit``, ``per`` seconds), None if it has none."""
-        flow = await _ops_flow.get_flow(self._redis, self._keys, check_queue(queue))
+        flow = await _ops.flow.get_flow(self._redis, self._keys, check_queue(queue))
         return flow.rate_limit
 
     # -- processes -----------------------------------------------------------------------
@@ -967,7 +963,7 @@ class Worqr:
 
     async def _block_take(self, queue: str, received: Callable[[], None]) -> list[Process]:
         """Wait up to `_BLOCK_SECONDS` for the queue's next normal task, moved by Redis
-        into a process of this worker the moment it is pushed (`_ops_block`): the idle
+        into a process of this worker the moment it is pushed (`_ops.block`): the idle
         path without a round trip after the wake-up. [] when none came, the queue
         turned out paused or limited, or with tasks at another level (the task went
         back to the front; at another level before this returns, so that the look
@@ -989,10 +985,10 @@ class Worqr:
         pool = blocking.connection_pool
         connection = await pool.get_connection()  # raising, it leaves nothing in flight
         self._taking.add(pid)
-        armed: _ops_block.Armed | None = None
+        armed: _ops.block.Armed | None = None
         over = False  # the block's reply was read: it cannot move anything any more
         try:
-            armed = await _ops_block.arm(
+            armed = await _ops.block.arm(
                 connection,
                 self._keys,
                 self._worker_id,
@@ -1011,13 +1007,13 @@ class Worqr:
                 else:
                     await self._lose_leases("heartbeat expired")
                 return []
-            done = await _ops_block.outcome(
+            done = await _ops.block.outcome(
                 connection, self._keys, self._worker_id, queue, self._block_seconds
             )
             task, flow = done.task, done.flow
             over = True
             if task is None:  # none came: the id goes, its block over
-                await _ops_block.forget(connection, self._keys, self._worker_id, queue, pid)
+                await _ops.block.forget(connection, self._keys, self._worker_id, queue, pid)
                 self._taking.discard(pid)
                 return []
             received()
@@ -1089,7 +1085,7 @@ class Worqr:
         """`_give_up`'s first withdrawal of a take whose arm's outcome is unknown: its
         id stays in flight (`_taking`) for the late one."""
         try:
-            await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
+            await _ops.block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
         except BackendError as exc:  # the late withdrawal tries again
             self._reach.failed("could not give up a blocking take", exc, queue=queue)
 
@@ -1101,7 +1097,7 @@ class Worqr:
         it."""
         try:
             await anyio.sleep(wait)
-            await _ops_block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
+            await _ops.block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
         except BackendError as exc:  # it stays recorded: a reclaim or the
             # recovery of this worker returns it later
             self._reach.failed("could not give up a blocking take", exc, queue=queue)
@@ -1573,15 +1569,15 @@ class Worqr:
         elif problem.kind == "stuck-waiting" and queue and problem.key:
             parsed = keys.parse(problem.key)
             if parsed is not None and parsed[0] == "j":
-                await _ops_deps.hand_to_release(r, keys, queue, parsed[2])
+                await _ops.deps.hand_to_release(r, keys, queue, parsed[2])
         elif problem.kind == "unreadable-flow" and queue:
-            await _ops_flow.set_rate_limit(r, keys, queue, None, 0)  # what cannot be read
+            await _ops.flow.set_rate_limit(r, keys, queue, None, 0)  # what cannot be read
         elif problem.kind in ("unreadable-schedule", "orphan-schedule") and queue and problem.key:
             parsed = keys.parse(problem.key)
             if parsed is not None and parsed[0] == "s" and problem.kind == "orphan-schedule":
-                await _ops_schedules.drop_orphan(r, keys, queue, parsed[2])
+                await _ops.schedules.drop_orphan(r, keys, queue, parsed[2])
             elif parsed is not None and parsed[0] == "s":
-                await _ops_schedules.drop(r, keys, queue, parsed[2])
+                await _ops.schedules.drop(r, keys, queue, parsed[2])
                 self._log.warning("removed %s: no worker can run it", problem.key)
         elif problem.kind == "no-expiry" and problem.key:
             # An expiry, not a delete: a live worker's next heartbeat renews it.

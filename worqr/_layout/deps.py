@@ -1,5 +1,5 @@
 """Dependencies between jobs: what a job waits for, and what its dependencies' records
-say about whether it may run (see `_ops_deps` for the transactions).
+say about whether it may run (see `_ops.deps` for the transactions).
 
 A job submitted with ``after`` ids waits, in state ``waiting``, for the lives of those
 jobs that were live when it was submitted; each such life is named by the ``life``

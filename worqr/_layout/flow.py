@@ -1,6 +1,6 @@
 """Flow control of a queue as read from its ``flow`` hash: pause and rate limit.
 
-`_ops_flow` writes the hash; the dequeue (`_ops.dequeue`) enforces it, reading it in
+`_ops.flow` writes the hash; the dequeue (`_ops.dequeue`) enforces it, reading it in
 the same round trip as the queue's length and again inside its transaction, so that
 no task is handed out after a pause returned, and none beyond a rate limit.
 """

@@ -97,7 +97,7 @@ class Keys:
 
     def blocking(self, queue: str, worker_id: str) -> str:
         """SET of the ids a worker registered for its blocking takes in this queue
-        (see `_ops_block`): a task Redis moves into such an id's list is that worker's
+        (see `_ops.block`): a task Redis moves into such an id's list is that worker's
         process, the id moved to ``held`` as the worker receives it."""
         return f"{self.prefix}:q:{{{queue}}}:blocking:{worker_id}"
 
@@ -128,7 +128,7 @@ class Keys:
 
     def after(self, queue: str, job_id: str) -> str:
         """SET of the ids of the jobs waiting for the current life of the job
-        ``job_id`` to end (see `_ops_deps`); the end of that life moves them to
+        ``job_id`` to end (see `_ops.deps`); the end of that life moves them to
         ``released``."""
         return f"{self.prefix}:q:{{{queue}}}:after:{job_id}"
 

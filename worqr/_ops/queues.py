@@ -131,7 +131,7 @@ async def delete_queue(r: Client, once: Client, keys: Keys, queue: str) -> None:
         wrong = wrong_keys([("SMEMBERS", keys.holders(queue))], found)
         wrong += wrong_keys(commands, held) + wrong_keys(takes, blocked)
         # A blocking take's list (a task its block moved, not yet held) goes like a
-        # process; its id stays: the take withdraws it (see `_ops_block`).
+        # process; its id stays: the take withdraws it (see `_ops.block`).
         taken.clear()
         taken.extend(keys.process(queue, pid) for reply in blocked for pid in members(reply))
         return holders, [members(reply) for reply in held], wrong + jobs

@@ -71,7 +71,7 @@ async def reclaim(
 
     With ``unless_alive`` (a peer failing a worker it found dead), the worker's
     heartbeat is WATCHed and read with its held set, and nothing is done (`Alive`
-    raised) if it exists: a worker's blocking take (`_ops_block`) refreshes its
+    raised) if it exists: a worker's blocking take (`_ops.block`) refreshes its
     heartbeat as it registers its process id, so a reclaim that began before that
     must not remove the id while the block may still move a task into its list.
     On a Cluster the heartbeat lives on another slot: no blocking takes run there,
@@ -86,7 +86,7 @@ async def reclaim(
     a poison pill cannot crash-loop the fleet. Counts are per task string (its SHA-1),
     per job id for a job (see `death_field`): a death is not an attempt, so a job goes
     back with its envelope unchanged; a quarantined job's outcome is recorded failed.
-    The ids of the worker's blocking takes (``blocking:<w>``, see `_ops_block`) are
+    The ids of the worker's blocking takes (``blocking:<w>``, see `_ops.block`) are
     reclaimed with its processes: a task a block moved into one's list goes back too.
     Keys: held:<w>, blocking:<w> (SET), p:<id>... (LIST), tasks (LIST), holders (SET),
     deadlines (ZSET); with quarantine also deaths (HASH), failed (LIST), unique (SET),

@@ -380,7 +380,7 @@ class QueueLook:
     leveled: bool = False
     """Tasks wait at another level than normal."""
     released: int = 0
-    """Waiting jobs handed to the next release (see `_ops_deps.release`)."""
+    """Waiting jobs handed to the next release (see `_ops.deps.release`)."""
 
 
 @redis_boundary

@@ -1,5 +1,5 @@
 """Release of waiting jobs: each worker judges the jobs handed to its queues'
-``released`` sets (`_ops_deps.release`) when the ``released`` event says that a
+``released`` sets (`_ops.deps.release`) when the ``released`` event says that a
 dependency ended.
 
 No peer owns a queue's releases: every worker of the queue hears the event, and WATCH
@@ -16,7 +16,6 @@ from .. import _ops
 from .._errors import BackendError
 from .._layout.keys import Keys
 from .._log import PeerLog
-from .._ops import deps as _ops_deps
 from .._redis.connections import Client
 from .._redis.reach import Reach
 
@@ -64,7 +63,7 @@ class Releaser:
             while self._pending:
                 queue = self._pending.pop()
                 try:
-                    await _ops_deps.release(self._client, self._keys, queue)
+                    await _ops.deps.release(self._client, self._keys, queue)
                 except BackendError as exc:
                     self._reach.failed("releasing waiting jobs failed", exc, queue=queue)
                 except Exception:

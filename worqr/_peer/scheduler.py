@@ -1,5 +1,5 @@
 """Driving schedules: every worker keeps a timer for the schedules of the queues it
-works on, and at each tick tries `_ops_schedules.fire_due` for all of a queue's due
+works on, and at each tick tries `_ops.schedules.fire_due` for all of a queue's due
 schedules at once.
 
 No peer owns a schedule: each worker of its queue wakes at the tick, and the watched
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import anyio
 
+from .. import _ops
 from .._errors import BackendError, CorruptDataError
 from .._layout.keys import Keys
 from .._layout.schedules import counted_from
 from .._log import PeerLog
-from .._ops import schedules as _ops_schedules
 from .._redis.clock import ServerClock
 from .._redis.connections import Client
 from .._redis.reach import Reach
@@ -63,7 +63,7 @@ class Scheduler:
 
     def hook(self, queue: str, kind: str, message: str) -> None:
         """A ``schedule:<name>`` event: read the queue's schedules again."""
-        if kind == _ops_schedules.SCHEDULE_EVENT and queue in self._queues:
+        if kind == _ops.schedules.SCHEDULE_EVENT and queue in self._queues:
             self._reload(queue)
 
     def _reload(self, queue: str) -> None:
@@ -110,7 +110,7 @@ class Scheduler:
         """Read a queue's schedules; each one's next tick is the first after the
         latest it handled (a tick missed while no worker was alive fires at once)."""
         try:
-            found = await _ops_schedules.of_queue(self._client, self._keys, queue)
+            found = await _ops.schedules.of_queue(self._client, self._keys, queue)
         except BackendError as exc:
             self._reach.failed("reading schedules failed", exc, queue=queue)
             self._stale.add(queue)
@@ -131,7 +131,7 @@ class Scheduler:
         """Fire a queue's due schedules together: one transaction for them all, so that
         a pass costs the same few round trips however many are due."""
         try:
-            fired = await _ops_schedules.fire_due(self._client, self._keys, queue, names)
+            fired = await _ops.schedules.fire_due(self._client, self._keys, queue, names)
         except Exception as exc:  # the queue's trouble must not stop the other queues
             if not isinstance(exc, CorruptDataError):
                 self._reach.failed("firing schedules failed", exc, queue=queue)

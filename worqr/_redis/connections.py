@@ -444,7 +444,7 @@ def client_without_retries(client: Client) -> Client:
 
 
 def blocking_client(client: Client) -> Redis | None:
-    """A client for blocking takes (`_ops_block`): connections like the client's that
+    """A client for blocking takes (`_ops.block`): connections like the client's that
     never resend, one per idle consumer, however many (a blocked connection is taken
     for up to a second, and consumers must not wait for each other's). None for a
     Cluster, where blocking takes do not run. Close it with `close_client`."""
