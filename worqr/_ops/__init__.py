@@ -14,63 +14,23 @@ The layers above call a transition by its module: ``_ops.enqueue.enqueue(...)``,
 
 from __future__ import annotations
 
-from . import (
-    block as block,
-)
-from . import (
-    cancel as cancel,
-)
-from . import (
-    check as check,
-)
-from . import (
-    commands as commands,
-)
-from . import (
-    deps as deps,
-)
-from . import (
-    dequeue as dequeue,
-)
-from . import (
-    end as end,
-)
-from . import (
-    enqueue as enqueue,
-)
-from . import (
-    failed as failed,
-)
-from . import (
-    flow as flow,
-)
-from . import (
-    inspect as inspect,
-)
-from . import (
-    promote as promote,
-)
-from . import (
-    queues as queues,
-)
-from . import (
-    reclaim as reclaim,
-)
-from . import (
-    repairs as repairs,
-)
-from . import (
-    schedules as schedules,
-)
-from . import (
-    stop as stop,
-)
-from . import (
-    submit as submit,
-)
-from . import (
-    workers as workers,
-)
-from . import (
-    writes as writes,
-)
+from . import block as block
+from . import cancel as cancel
+from . import check as check
+from . import commands as commands
+from . import deps as deps
+from . import dequeue as dequeue
+from . import end as end
+from . import enqueue as enqueue
+from . import failed as failed
+from . import flow as flow
+from . import inspect as inspect
+from . import promote as promote
+from . import queues as queues
+from . import reclaim as reclaim
+from . import repairs as repairs
+from . import schedules as schedules
+from . import stop as stop
+from . import submit as submit
+from . import workers as workers
+from . import writes as writes

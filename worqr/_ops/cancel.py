@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    redis_boundary,
-)
+from .._errors import redis_boundary
 from .._layout.deps import dependencies_of
 from .._layout.keys import Keys
 from .._layout.state import LIVE, JobState

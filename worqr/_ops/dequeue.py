@@ -15,12 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._errors import (
-    BackendError,
-    CorruptDataError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import BackendError, CorruptDataError, is_wrong_type, redis_boundary
 from .._layout.flow import Flow, Paused, Throttled, read_flow
 from .._layout.keys import Keys
 from .._layout.levels import LEVELS, Picker

@@ -14,11 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._errors import (
-    BackendError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import BackendError, is_wrong_type, redis_boundary
 from .._layout.envelope import Envelope, Header, wrap
 from .._layout.jobs import Backoff
 from .._layout.keys import Keys

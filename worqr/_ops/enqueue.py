@@ -12,13 +12,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
-from .._errors import (
-    BackendError,
-    DuplicateTaskError,
-    is_wrong_type,
-    redis_boundary,
-    translate,
-)
+from .._errors import BackendError, DuplicateTaskError, is_wrong_type, redis_boundary, translate
 from .._layout.keys import Keys
 from .._redis.connections import Client as Client
 from .._redis.connections import on_slot, pinned

@@ -11,9 +11,7 @@ import secrets
 
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    redis_boundary,
-)
+from .._errors import redis_boundary
 from .._layout.envelope import Envelope, wrap
 from .._layout.keys import Keys
 from .._layout.models import FailedTask

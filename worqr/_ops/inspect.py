@@ -10,10 +10,7 @@ from typing import Any
 
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    CorruptDataError,
-    redis_boundary,
-)
+from .._errors import CorruptDataError, redis_boundary
 from .._layout.flow import Flow, read_flow
 from .._layout.keys import Keys
 from .._layout.models import Process, WorkerInfo

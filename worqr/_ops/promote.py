@@ -14,10 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._errors import (
-    BackendError,
-    redis_boundary,
-)
+from .._errors import BackendError, redis_boundary
 from .._layout.keys import Keys
 from .._layout.state import JobState
 from .._redis.connections import Client as Client

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import time
 
-from .._errors import (
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import is_wrong_type, redis_boundary
 from .._layout.keys import Keys
 from .._redis.connections import Client as Client
 from .._redis.replies import members

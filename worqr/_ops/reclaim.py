@@ -12,10 +12,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import is_wrong_type, redis_boundary
 from .._layout.keys import Keys
 from .._layout.names import split_process_id
 from .._redis.connections import Client as Client

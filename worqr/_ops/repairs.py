@@ -8,11 +8,7 @@ from __future__ import annotations
 
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    InvalidProcessIdError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import InvalidProcessIdError, is_wrong_type, redis_boundary
 from .._layout.keys import Keys
 from .._layout.names import parse_process_id, split_process_id
 from .._layout.state import IN_QUEUE

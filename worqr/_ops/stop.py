@@ -7,11 +7,7 @@ from __future__ import annotations
 
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    CorruptDataError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import CorruptDataError, is_wrong_type, redis_boundary
 from .._layout.keys import Keys
 from .._layout.names import ProcessRef
 from .._redis.connections import Client as Client

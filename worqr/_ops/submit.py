@@ -15,12 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._errors import (
-    CorruptDataError,
-    DuplicateTaskError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import CorruptDataError, DuplicateTaskError, is_wrong_type, redis_boundary
 from .._layout.envelope import Envelope
 from .._layout.keys import Keys
 from .._layout.state import JobState

@@ -10,12 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import (
-    CorruptDataError,
-    InvalidProcessIdError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import CorruptDataError, InvalidProcessIdError, is_wrong_type, redis_boundary
 from .._layout.keys import Keys
 from .._layout.names import ProcessRef, parse_process_id
 from .._redis.connections import Client as Client

@@ -11,11 +11,7 @@ from typing import Any
 
 from redis.asyncio.client import Pipeline
 
-from .._errors import (
-    InvalidProcessIdError,
-    is_wrong_type,
-    redis_boundary,
-)
+from .._errors import InvalidProcessIdError, is_wrong_type, redis_boundary
 from .._layout.envelope import Envelope, unwrap
 from .._layout.keys import Keys
 from .._layout.levels import LEVELS

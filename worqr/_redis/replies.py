@@ -6,9 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._errors import (
-    is_wrong_type,
-)
+from .._errors import is_wrong_type
 from .connections import Client as Client
 
 
