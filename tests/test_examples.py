@@ -171,7 +171,7 @@ def test_shell_blocks_name_real_commands() -> None:
             elif argv[:2] in (["python3", "dev.py"], ["python", "dev.py"]):
                 assert len(argv) > 2 and argv[2] in dev.VERBS, f"{page}: {shlex.join(argv)}"
                 seen["dev.py"] += 1
-    assert seen["worqr"] > 50 and seen["dev.py"] >= 2
+    assert seen["worqr"] > 50 and seen["dev.py"] > 5
 
 
 @pytest.mark.parametrize("how", ["REDIS_URL", "--url"])
