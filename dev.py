@@ -132,7 +132,7 @@ def docs(args: list[str]) -> int:
         if code != 0:
             return code
         DOCS_STAMP.write_text(digest + "\n")
-    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # keep the build's output to the build
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # silences the theme's end-of-life notice
     return run(PYTHON, "-m", "mkdocs", "build", "--strict", "--clean", "--site-dir", "site", *args)
 
 
