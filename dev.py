@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".worqr-pyproject.sha256"  # hash of the pyproject.toml last installed
+DOCS_STAMP = VENV / ".worqr-docs.sha256"  # the same, for the last install of the docs extra
 PYTEST_NO_TESTS = 5
 
 USAGE = """usage: python3 dev.py VERB [ARGS...]
@@ -28,6 +29,8 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
   lint   ruff check (ARGS go to it, e.g. --fix), ruff format --check, mypy, and the
          layer contract (lint-imports)
   demo   python -m worqr demo ARGS
+  docs   build the documentation site into site/, strictly (any warning fails; ARGS go to
+         mkdocs build); installs the docs extra into .venv when needed
   install-check  pip install this checkout into a fresh venv; run worqr --version
   long   the tests outside the suite's time budget (ARGS go to pytest): the quick
          high-concurrency chaos run, the benchmark suite's and the Cluster benchmark's
@@ -51,9 +54,14 @@ def run(*cmd: str | Path) -> int:
     return subprocess.run(argv, cwd=ROOT, check=False).returncode
 
 
+def pyproject_digest() -> str:
+    """The hash of pyproject.toml, which the stamps compare against."""
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+
+
 def ensure_venv() -> None:
     """Create .venv and (re)install the project into it when needed; exit if that fails."""
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = pyproject_digest()
     if not PYTHON.exists() and run(sys.executable, "-m", "venv", VENV) != 0:
         sys.exit("dev.py: could not create .venv (on Debian/Ubuntu: apt-get install python3-venv)")
     if STAMP.exists() and STAMP.read_text().strip() == digest:
@@ -116,6 +124,20 @@ def install_check(args: list[str]) -> int:
     return 0
 
 
+def docs(args: list[str]) -> int:
+    """Build the site into site/ with mkdocs, strictly: a broken link, an unresolved
+    reference or any other warning fails the build. The docs extra is installed into
+    .venv first when it is new or pyproject.toml changed since its last install."""
+    digest = pyproject_digest()
+    if not (DOCS_STAMP.exists() and DOCS_STAMP.read_text().strip() == digest):
+        code = run(PYTHON, "-m", "pip", "install", "--quiet", "-e", ".[dev,docs]")
+        if code != 0:
+            return code
+        DOCS_STAMP.write_text(digest + "\n")
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # silences the theme's end-of-life notice
+    return run(PYTHON, "-m", "mkdocs", "build", "--strict", "--clean", "--site-dir", "site", *args)
+
+
 def demo(args: list[str]) -> int:
     """Run the worqr demo."""
     return run(PYTHON, "-m", "worqr", "demo", *args)
@@ -176,6 +198,7 @@ VERBS = {
     "long": long,
     "install-check": install_check,
     "demo": demo,
+    "docs": docs,
     "chaos": chaos,
     "bench": bench,
     "bench-cluster": bench_cluster,

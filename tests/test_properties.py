@@ -86,7 +86,7 @@ def worker(
 
 
 REJECTED = (TypeError, ValueError, WorqrError)
-"""What bad input may raise (README: every error is a WorqrError, TypeError or ValueError)."""
+"""What bad input may raise (docs/guide/api.md: a WorqrError, TypeError or ValueError)."""
 
 # -- independent oracles of the documented naming rules ------------------------------------
 

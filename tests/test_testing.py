@@ -73,19 +73,20 @@ def test_a_users_tests_run_on_the_plugins_fixtures(tmp_path: Path) -> None:
     assert "4 passed" in result.stdout
 
 
-def test_readmes_test_runs_as_readme_gives_it(tmp_path: Path) -> None:
-    """README's test of the Example's handler, with README's pytest setting, passes
-    without a warning."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Testing code that uses worqr")[1]
-    test = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    setting = re.search(r"```toml\n(.*?)```", section, re.DOTALL)
-    handler = re.search(r"\nasync def send_email.*?\n\n", readme, re.DOTALL)
-    assert test and setting and handler
+def test_the_guides_test_runs_as_the_guide_gives_it(tmp_path: Path) -> None:
+    """The testing guide's test (docs/snippets/test_send_email.py) of the Quickstart's
+    handler, with the guide's pytest setting, passes without a warning."""
+    guide = (ROOT / "docs" / "guide" / "testing.md").read_text()
+    test = (ROOT / "docs" / "snippets" / "test_send_email.py").read_text()
+    setting = re.search(r"```toml\n(.*?)```", guide, re.DOTALL)
+    quickstart = (ROOT / "examples" / "quickstart.py").read_text()
+    handler = re.search(r"\nasync def send_email.*?\n\n", quickstart, re.DOTALL)
+    assert f"```python\n{test}```" in guide
+    assert setting and handler
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__init__.py").write_text("")
     (tmp_path / "app" / "tasks.py").write_text(f"from worqr import Process\n{handler[0]}")
-    (tmp_path / "test_app.py").write_text(test[1])
+    (tmp_path / "test_app.py").write_text(test)
     (tmp_path / "pyproject.toml").write_text(setting[1])
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"],
