@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from worqr._cli import parser
+from worqr.cli.parser import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -160,7 +160,7 @@ def test_shell_blocks_name_real_commands() -> None:
             if argv[0] == "worqr":
                 words = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
                 with contextlib.redirect_stdout(io.StringIO()):
-                    try:  # as worqr._cli.main parses: enqueue takes tasks after an option
+                    try:  # as worqr.cli.main parses: enqueue takes tasks after an option
                         args, extra = parser().parse_known_args(words)
                     except SystemExit as exc:
                         assert exc.code == 0, f"{page}: {shlex.join(argv)}"
