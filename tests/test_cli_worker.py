@@ -210,7 +210,7 @@ async def test_run_refuses_a_command_that_does_not_exist_before_taking_work(
         ("./missing.sh", "is not an executable file"),
     ]:
         result = await anyio.to_thread.run_sync(
-            lambda p=program: cli(app, redis_url, prefix, "run", "q", "--", p)  # type: ignore[misc]
+            cli, app, redis_url, prefix, "run", "q", "--", program
         )
         assert result.returncode == 2 and says in result.stderr
     assert await peer.get_workers() == []

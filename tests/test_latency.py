@@ -4,6 +4,7 @@ longer than ``worker_timeout``. No fault is injected, so each task runs exactly 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -155,7 +156,9 @@ async def test_delete_and_check_repair_on_a_busy_queue_run_nothing_twice(
     await admin.enqueue("jobs", tasks)
     async with anyio.create_task_group() as tg:
         for worqr in workers:
-            tg.start_soon(lambda w=worqr: w.consume("jobs", ledger.handler(SHORT), concurrency=8))
+            tg.start_soon(
+                functools.partial(worqr.consume, "jobs", ledger.handler(SHORT), concurrency=8)
+            )
         with anyio.fail_after(60):
             while sum(ledger.runs.values()) < 60:
                 report = await admin.check(repair=True)

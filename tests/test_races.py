@@ -4,6 +4,7 @@ interleaving that a slow link or a busy fleet produces, then checks where every 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import anyio.lowlevel
 import pytest
 from redis.asyncio import Redis
 
-from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _names, _ops
+from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _ops
 from worqr._check import Problem
 from worqr._keys import Keys
 
@@ -146,7 +147,7 @@ async def test_repair_in_a_loop_while_a_fleet_drains_runs_every_task_once(
     repairs = 0
     async with anyio.create_task_group() as tg:
         for worqr in fleet:
-            tg.start_soon(lambda w=worqr: w.consume("jobs", handler, concurrency=1))
+            tg.start_soon(functools.partial(worqr.consume, "jobs", handler, concurrency=1))
         await fleet[0].enqueue("jobs", tasks)
         with anyio.fail_after(60):
             while sum(executions.values()) < len(tasks) or await admin.count_queue("jobs"):
@@ -199,7 +200,7 @@ async def test_reclaim_order_survives_a_wall_clock_stepped_back(
     await worqr.enqueue("jobs", ["t1", "t2", "t3"])
     assert await worqr.dequeue("jobs") is not None
     now = time.time_ns()
-    monkeypatch.setattr(_names.time, "time_ns", lambda: now - 60 * 10**9)  # NTP step back
+    monkeypatch.setattr("worqr._names.time.time_ns", lambda: now - 60 * 10**9)  # NTP step back
     assert await worqr.dequeue("jobs") is not None
     monkeypatch.undo()
     await worqr.fail_worker()
@@ -227,7 +228,7 @@ async def test_delete_queue_gets_through_on_a_busy_queue(
         await eventually(lambda: _drained_some(worqr, 100_000 - 2_000), within=60)
         await worqr.delete_queue("busy")  # every WATCHed attempt aborted before
         for child in fleet:  # each worker's consume ends on the delete event
-            await anyio.to_thread.run_sync(lambda c=child: c.wait(30))
+            await anyio.to_thread.run_sync(child.wait, 30)
     finally:
         for child in fleet:
             reap(child)
@@ -464,7 +465,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
     taken = await worker.dequeue("jobs")
     assert taken is not None
     stalled = anyio.Event()
-    real = _ops.finish_many if how == "finish" else _ops.fail
+    real: Callable[..., Awaitable[object]] = _ops.finish_many if how == "finish" else _ops.fail
 
     async def late(*args: object, **kwargs: object) -> object:
         """The stall, between the end's lease check and its write."""
@@ -474,7 +475,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
         await real_client.delete(Keys(prefix).heartbeat(worker.worker_id))
         await peer.cleanup_workers()  # a peer took the worker for dead meanwhile
         stalled.set()
-        return await real(*args, **kwargs)  # type: ignore[operator]
+        return await real(*args, **kwargs)
 
     monkeypatch.setattr(_ops, "finish_many" if how == "finish" else "fail", late)
     if how == "finish":

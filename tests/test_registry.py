@@ -235,7 +235,7 @@ async def test_a_peer_touching_many_transient_queues_stays_small(real_make: Fact
         await worker.enqueue(queue, "x")
         async with anyio.create_task_group() as tg:
             tg.start_soon(worker.consume, queue, handler)
-            await eventually(lambda target=i + 1: done == target)  # type: ignore[misc]
+            await eventually(lambda target=i + 1: done == target)
             await eventually(lambda: _no_finishers(worker))
             await worker.stop_work(queue)
             tg.cancel_scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ async def test_bad_queue_names_are_rejected_everywhere(
 ) -> None:
     worqr = make()
     await worqr.start_worker()
-    calls = [
+    calls: list[Callable[[], Awaitable[object]]] = [
         lambda: worqr.enqueue(queue, "t"),
         lambda: worqr.peek_queue(queue),
         lambda: worqr.count_queue(queue),
