@@ -133,7 +133,7 @@ def test_retry_carries_its_delay() -> None:
     assert Retry(0).delay == 0
     for bad, error in ((-1, ValueError), (float("inf"), ValueError), ("1", TypeError)):
         with pytest.raises(error):
-            Retry(bad)  # type: ignore[arg-type]
+            Retry(bad)  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 def test_job_status_is_a_str_enum_with_the_wire_names() -> None:
@@ -609,7 +609,7 @@ async def test_status_and_info_through_a_jobs_life(real_make: Factory, real_clie
     )
     assert before - EPS <= info.enqueued_at <= after + EPS
     with pytest.raises(AttributeError):
-        info.status = JobStatus.DONE  # type: ignore[misc]
+        info.status = JobStatus.DONE  # type: ignore[misc]  # frozen: the assignment must raise
     later = await producer.submit(Q, "later", delay=60)
     later_info = await info_of(later)
     assert later_info.status == JobStatus.DELAYED and later_info.due_at is not None

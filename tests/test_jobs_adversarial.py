@@ -41,6 +41,7 @@ from worqr import (
     Retry,
     Worqr,
 )
+from worqr._connections import Client
 from worqr._envelope import MARKER
 from worqr._names import new_process_id
 from worqr.testing import EmbeddedServer
@@ -74,7 +75,7 @@ def job_of(stored: str) -> str | None:
     return str(json.loads(stored[len(MARKER) :].partition("\n")[0])["id"])
 
 
-async def server_ms(redis: Redis) -> int:
+async def server_ms(redis: Client) -> int:
     seconds, micros = await redis.time()
     return int(seconds) * 1000 + int(micros) // 1000
 
@@ -409,7 +410,7 @@ async def test_stop_process_by_id_does_not_put_a_cancelled_job_back(
 
 
 async def test_a_stray_process_of_a_cancelled_job_is_not_put_back(
-    real_make: Factory, real_client: Redis, prefix: str
+    real_make: Factory, real_client: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dequeue whose reply never came (it landed late) leaves a process its worker
     does not know; the job is cancelled meanwhile (it looks running). The worker's
@@ -424,7 +425,7 @@ async def test_a_stray_process_of_a_cancelled_job_is_not_put_back(
         await cancelled.wait()
         await audit(*args)
 
-    worker._audit_processes = gated  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(worker, "_audit_processes", gated)
     job = await producer.submit(Q, "x", job_id="s-1")
     # A dequeue for this worker that it never heard of: what a late EXEC leaves.
     (stray,) = await worqr._ops.dequeue(
@@ -1062,7 +1063,7 @@ async def test_taking_an_overdue_attempt_racing_its_finish_ends_it_once(
         taken: list[bool] = []
 
         async def take() -> None:
-            now = await server_ms(peer._redis)  # type: ignore[arg-type]
+            now = await server_ms(peer._redis)
             taken.append(await worqr._ops.take_overdue(peer._redis, peer._keys, ref, "late", now))
 
         tg.start_soon(take)

@@ -52,7 +52,9 @@ class Ledger:
         self.runs: Counter[str] = Counter()
         self.lost: list[str] = []
 
-    def handler(self, seconds: float, fail: Callable[[str], bool] = lambda _: False):  # type: ignore[no-untyped-def]
+    def handler(
+        self, seconds: float, fail: Callable[[str], bool] = lambda _: False
+    ) -> Callable[[Process], Awaitable[str]]:
         async def run(process: Process) -> str:
             self.runs[process.task] += 1
             await anyio.sleep(seconds)

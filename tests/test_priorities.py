@@ -108,7 +108,7 @@ async def test_unknown_priorities_are_refused(make: Factory, priority: str) -> N
     with pytest.raises(ValueError, match="priority"):
         await worqr.schedule("s", "q", "t", every=60, priority=priority)
     with pytest.raises(TypeError, match="priority"):
-        await worqr.enqueue("q", "t", priority=1)  # type: ignore[arg-type]
+        await worqr.enqueue("q", "t", priority=1)  # type: ignore[arg-type]  # bad on purpose: must be refused
     assert await worqr.count_queue("q") == 0
 
     async def handler(process: Process) -> None:

@@ -18,7 +18,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from worqr import Worqr, _ops
+from worqr import Worqr, _connections, _ops
 from worqr._keys import Keys
 
 from .helpers import FAST, eventually
@@ -67,7 +67,7 @@ async def test_a_crash_between_the_registration_steps_leaves_no_key_behind(
     keys = Keys(fleet.prefix)
     worker_id = f"crashed-{uuid.uuid4().hex[:8]}"
     steps: list[str] = []
-    real_on_slot = _ops.on_slot  # type: ignore[attr-defined]
+    real_on_slot = _connections.on_slot  # what _ops calls
 
     registering: list[asyncio.Task[Any] | None] = []
 

@@ -211,12 +211,10 @@ async def _round_trips(worqr: Worqr, call: Callable[[], Awaitable[Any]]) -> int:
         count += 1
         return original_pipeline(*args, **options)
 
-    client.execute_command = command  # type: ignore[method-assign]
-    client.pipeline = pipeline  # type: ignore[method-assign]
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client, "execute_command", command)
+        patch.setattr(client, "pipeline", pipeline)
         await call()
-    finally:
-        del client.execute_command, client.pipeline
     return count
 
 

@@ -50,7 +50,7 @@ async def test_a_schedule_is_stored_listed_and_removed(make: Factory) -> None:
     assert await worqr.unschedule("nightly") is False
     assert [s.name for s in await worqr.get_schedules()] == ["often"]
     with pytest.raises(AttributeError):
-        often.name = "x"  # type: ignore[misc]
+        often.name = "x"  # type: ignore[misc]  # frozen: the assignment must raise
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ async def test_bad_schedules_are_refused_and_nothing_is_stored(
 ) -> None:
     worqr = make()
     with pytest.raises(error):
-        await worqr.schedule("s", "q", "p", **options)  # type: ignore[arg-type]
+        await worqr.schedule("s", "q", "p", **options)  # type: ignore[arg-type]  # bad on purpose: must be refused
     assert await worqr.get_schedules() == []
 
 

@@ -384,7 +384,7 @@ async def test_an_unreachable_redis_is_503_unavailable() -> None:
 
 def test_create_app_refuses_what_it_cannot_serve() -> None:
     with pytest.raises(TypeError, match="a Worqr or a Redis URL"):
-        create_app(42)  # type: ignore[arg-type]
+        create_app(42)  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(ValueError, match="non-empty string"):
         create_app("redis://localhost", token="")
 

@@ -111,7 +111,7 @@ def _surrogate(arg: object) -> bool:
 @pytest.mark.parametrize("arg", [True, None, [1], 1j])
 def test_pack_refuses_what_redis_py_refuses(packer: str, arg: object) -> None:
     with pytest.raises(DataError, match="cannot send"):
-        pack([("SET", "k", arg)])  # type: ignore[list-item]  # not an Arg: must be refused
+        pack([("SET", "k", arg)])  # type: ignore[list-item]  # bad on purpose: must be refused
 
 
 class _Level(enum.IntEnum):
