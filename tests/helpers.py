@@ -80,7 +80,8 @@ async def eventually(
     with anyio.fail_after(within):
         while True:
             outcome = check()
-            if outcome if isinstance(outcome, bool) else await outcome:
+            reached = outcome if isinstance(outcome, bool) else await outcome
+            if reached:
                 return
             await anyio.sleep(0.01)
 

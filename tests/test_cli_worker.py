@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from worqr import Worqr
 
-from .helpers import FAST, eventually
+from .helpers import FAST, Intervals, eventually
 
 SCRIPT = Path(sys.executable).parent / "worqr"
 
@@ -336,7 +336,7 @@ async def test_a_queue_named_twice_is_worked_once(
         await stop(process)
 
 
-SURE = {**FAST, "worker_timeout": 2.0}
+SURE: Intervals = {**FAST, "worker_timeout": 2.0}
 """FAST, with a lease that survives a test process starved for a second or so."""
 
 

@@ -15,7 +15,7 @@ from worqr import Process, Worqr
 from worqr._tasklog import talk
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, RELAXED, Factory, consuming, eventually
+from .helpers import FAST, RELAXED, Factory, Intervals, consuming, eventually
 from .proxy import LatencyProxy
 
 
@@ -143,7 +143,7 @@ async def test_an_outage_logs_one_warning_as_it_starts_and_one_with_the_count_as
                 LatencyProxy(server.port, delay=0.002).running()
             )
             url = proxy.url
-        options = {**RELAXED, "worker_timeout": 10.0}  # no lease lost on a busy machine
+        options: Intervals = {**RELAXED, "worker_timeout": 10.0}  # no lease lost on a busy machine
         workers = [Worqr.from_url(url, prefix=prefix, **options) for _ in range(2)]
         for worker in workers:
             await stack.enter_async_context(worker)
