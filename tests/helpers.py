@@ -6,8 +6,8 @@ import contextlib
 import functools
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypedDict
 
 import anyio
 import pytest
@@ -15,10 +15,19 @@ from redis.asyncio import Redis
 
 from worqr import Process, Worqr
 
-FAST = {"heartbeat_interval": 0.1, "worker_timeout": 0.5, "cleanup_interval": 0.1}
+
+class Intervals(TypedDict):
+    """The supervision intervals of `Worqr` (its keyword arguments of the same names)."""
+
+    heartbeat_interval: float
+    worker_timeout: float
+    cleanup_interval: float
+
+
+FAST: Intervals = {"heartbeat_interval": 0.1, "worker_timeout": 0.5, "cleanup_interval": 0.1}
 """Short intervals so that supervision tests run in well under a second."""
 
-RELAXED = {**FAST, "worker_timeout": 5.0}
+RELAXED: Intervals = {**FAST, "worker_timeout": 5.0}
 """``make()``'s default: FAST's checks, but a lease that a busy machine's stall cannot
 expire. A test whose claim is about expiry asks for ``make(**FAST)``."""
 
@@ -45,16 +54,36 @@ async def consuming(
         tg.cancel_scope.cancel()
 
 
+def texts(replies: Iterable[object]) -> list[str]:
+    """A decoding client's replies, as the strs they are (redis-py's types allow bytes)."""
+    decoded: list[str] = []
+    for reply in replies:
+        assert isinstance(reply, str), reply
+        decoded.append(reply)
+    return decoded
+
+
+def scored(replies: Iterable[object]) -> list[tuple[str, float]]:
+    """A decoding client's ``withscores`` replies, as the (member, score) pairs they are."""
+    pairs: list[tuple[str, float]] = []
+    for reply in replies:
+        assert isinstance(reply, tuple | list) and len(reply) == 2, reply
+        member, score = reply
+        assert isinstance(member, str) and isinstance(score, float), reply
+        pairs.append((member, score))
+    return pairs
+
+
 async def eventually(
-    check: Callable[[], Awaitable[bool]] | Callable[[], bool], within: float = 5.0
+    check: Callable[[], Awaitable[object]] | Callable[[], bool], within: float = 5.0
 ) -> None:
-    """Wait, bounded, until ``check()`` is true (polling the state, not sleeping blind)."""
+    """Wait, bounded, until ``check()`` is true (polling the state, not sleeping blind);
+    an async ``check``'s result counts by its truth (a count, a found object)."""
     with anyio.fail_after(within):
         while True:
             outcome = check()
-            if not isinstance(outcome, bool):
-                outcome = await outcome
-            if outcome:
+            reached = outcome if isinstance(outcome, bool) else await outcome
+            if reached:
                 return
             await anyio.sleep(0.01)
 

@@ -41,7 +41,7 @@ def test_process_is_frozen_and_positional() -> None:
     assert (process.id, process.task, process.queue) == ("w/0000000000000000000000/q", "task", "q")
     assert process.worker_id == "w"
     with pytest.raises(AttributeError):
-        process.queue = "other"  # type: ignore[misc]
+        process.queue = "other"  # type: ignore[misc]  # frozen: the assignment must raise
 
 
 def test_worker_ids_are_unique_unless_given(client: Redis) -> None:

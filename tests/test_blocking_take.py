@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from worqr import Process, Worqr, _ops
@@ -458,15 +459,17 @@ async def test_a_task_moved_by_a_block_whose_arm_reply_was_lost_runs_at_once(
     lost: list[object] = []
     armed, both = anyio.Event(), anyio.Event()
 
-    async def losing(connection: object, count: int, limit: float | None) -> object:
+    async def losing(
+        connection: AbstractConnection, count: int, limit: float | None
+    ) -> list[object]:
         if count == 5 and not lost:  # the arm's replies
-            lost.append(await replies(connection, count, limit))  # type: ignore[arg-type]
+            lost.append(await replies(connection, count, limit))
             await producer.enqueue("q", "first")  # the block moves it at once
             await anyio.sleep(0.1)
-            await connection.disconnect(nowait=True)  # type: ignore[attr-defined]
+            await connection.disconnect(nowait=True)
             armed.set()
             raise RedisConnectionError("connection lost before the replies were read")
-        return await replies(connection, count, limit)  # type: ignore[arg-type]
+        return await replies(connection, count, limit)
 
     monkeypatch.setattr(_ops.block, "replies", losing)
     ran: list[str] = []

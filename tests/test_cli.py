@@ -7,6 +7,7 @@ docs/cli.md is rendered here from a real session, so it never drifts: run with
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pty
@@ -401,10 +402,12 @@ async def render(url: str, raw: Redis) -> str:
         for verb, examples in VERB_DOCS:
             if verb == "reclaim":
                 await _crash(url, raw)
-            helptext = await anyio.to_thread.run_sync(lambda v=verb: worqr_cli(v, "--help").stdout)
+            helptext = (await anyio.to_thread.run_sync(worqr_cli, verb, "--help")).stdout
             parts.append(f"## worqr {verb}\n\n```console\n$ worqr {verb} --help\n{helptext}```\n")
             for args in examples:
-                result = await anyio.to_thread.run_sync(lambda a=args: worqr_cli(*a, url=url))
+                result = await anyio.to_thread.run_sync(
+                    functools.partial(worqr_cli, *args, url=url)
+                )
                 assert result.returncode in (0, 1), result.stderr
                 shown = normalize(result.stdout + result.stderr)
                 parts.append(f"```console\n$ worqr {shlex.join(args)}\n{shown}```\n")

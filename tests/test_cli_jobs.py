@@ -4,6 +4,7 @@ script against a real server."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -492,10 +493,12 @@ async def job_sections(url: str) -> list[str]:
         for verb, examples in JOB_DOCS:
             if verb == "job":
                 await worker.job(JOB_QUEUE, "order-1042").result(10)
-            helptext = await anyio.to_thread.run_sync(lambda v=verb: worqr_cli(v, "--help").stdout)
+            helptext = (await anyio.to_thread.run_sync(worqr_cli, verb, "--help")).stdout
             parts.append(f"## worqr {verb}\n\n```console\n$ worqr {verb} --help\n{helptext}```\n")
             for args in examples:
-                result = await anyio.to_thread.run_sync(lambda a=args: worqr_cli(*a, url=url))
+                result = await anyio.to_thread.run_sync(
+                    functools.partial(worqr_cli, *args, url=url)
+                )
                 assert result.returncode in (0, 1), result.stderr
                 shown = normalize_jobs(result.stdout + result.stderr)
                 parts.append(f"```console\n$ worqr {shlex.join(args)}\n{shown}```\n")

@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from worqr import Worqr
 
-from .helpers import FAST, eventually
+from .helpers import FAST, Intervals, eventually
 
 SCRIPT = Path(sys.executable).parent / "worqr"
 
@@ -210,7 +210,7 @@ async def test_run_refuses_a_command_that_does_not_exist_before_taking_work(
         ("./missing.sh", "is not an executable file"),
     ]:
         result = await anyio.to_thread.run_sync(
-            lambda p=program: cli(app, redis_url, prefix, "run", "q", "--", p)  # type: ignore[misc]
+            cli, app, redis_url, prefix, "run", "q", "--", program
         )
         assert result.returncode == 2 and says in result.stderr
     assert await peer.get_workers() == []
@@ -336,7 +336,7 @@ async def test_a_queue_named_twice_is_worked_once(
         await stop(process)
 
 
-SURE = {**FAST, "worker_timeout": 2.0}
+SURE: Intervals = {**FAST, "worker_timeout": 2.0}
 """FAST, with a lease that survives a test process starved for a second or so."""
 
 

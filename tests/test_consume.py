@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -33,9 +34,9 @@ def hold_ends(
     the real end follows."""
     settle = worker._settle
 
-    async def held(process: Process, outcome: str, *args: object, **kwargs: object) -> None:
+    async def held(process: Process, outcome: str, *args: Any, **kwargs: Any) -> None:
         await gate(process).wait()
-        await settle(process, outcome, *args, **kwargs)  # type: ignore[arg-type]
+        await settle(process, outcome, *args, **kwargs)
 
     monkeypatch.setattr(worker, "_settle", held)
 
@@ -190,7 +191,7 @@ async def test_non_str_result_is_a_handler_failure(make: Factory) -> None:
     worker = make()
 
     async def handler(process: Process) -> str:
-        return 42  # type: ignore[return-value]
+        return 42  # type: ignore[return-value]  # bad on purpose: must be refused
 
     await worker.enqueue("jobs", "t")
     async with anyio.create_task_group() as tg:
@@ -276,7 +277,7 @@ async def test_persistent_task_moves_to_a_live_peer_when_its_worker_dies(make: F
     first, second = make(**FAST), make(**FAST)
     holders: list[str] = []
 
-    def persistent(name: str):  # type: ignore[no-untyped-def]
+    def persistent(name: str) -> Callable[[Process], Awaitable[None]]:
         async def handler(process: Process) -> None:
             holders.append(name)
             await anyio.sleep_forever()
@@ -382,11 +383,11 @@ async def test_shutdown_tries_again_to_hand_back_when_the_server_was_unreachable
     assert await worker.dequeue("jobs") is not None
     real, tries = _ops.workers.fail_worker, []
 
-    async def cut_once(*args: object, **kwargs: object) -> object:
+    async def cut_once(*args: Any, **kwargs: Any) -> object:
         tries.append(args[2])
         if len(tries) == 1:
             raise BackendUnavailableError("connection lost while a transaction was in flight")
-        return await real(*args, **kwargs)  # type: ignore[arg-type]
+        return await real(*args, **kwargs)
 
     monkeypatch.setattr(_ops.workers, "fail_worker", cut_once)
     await worker.shutdown(grace=0.1)

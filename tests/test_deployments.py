@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -62,7 +63,8 @@ async def test_cluster_has_three_primaries_with_a_replica_each(cluster: Embedded
     client = RedisCluster.from_url(cluster.url, decode_responses=True)
     try:
         info = await client.cluster_info()
-        slots = await client.cluster_slots()
+        # redis-py annotates the raw reply's list; a RedisCluster parses it into a dict
+        slots = cast("dict[tuple[int, int], dict[str, Any]]", await client.cluster_slots())
     finally:
         await client.aclose()
     assert (info["cluster_state"], info["cluster_known_nodes"]) == ("ok", "6")
@@ -101,7 +103,8 @@ async def test_cluster_killed_primary_is_replaced_by_its_replica() -> None:
             Redis.from_url(victim.url, decode_responses=True) as direct,
             direct.pipeline(transaction=False) as pipe,
         ):
-            pipe.set("survivor", "before").wait(1, 1000)
+            pipe.set("survivor", "before")
+            pipe.wait(1, 1000)
             assert await pipe.execute() == [True, 1]  # on the replica too
         client = RedisCluster.from_url(cluster.url, decode_responses=True)
         try:

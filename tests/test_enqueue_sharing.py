@@ -200,7 +200,7 @@ async def test_close_lets_shared_calls_finish_without_resending_them(
     calls = [asyncio.create_task(worqr.enqueue("q", f"t{i}")) for i in range(50)]
     await asyncio.sleep(0.001)  # the calls are in flight
     await worqr.close()
-    assert [await call for call in calls] == [None] * 50
+    assert await asyncio.gather(*calls) == [None] * 50
     tasks = await real_client.lrange(f"{prefix}:q:{{q}}:tasks", 0, -1)
     assert sorted(tasks) == sorted(["first", *(f"t{i}" for i in range(50))])  # each once
     with pytest.raises(ClosedError):

@@ -154,8 +154,8 @@ async def test_a_deeply_nested_done_message_is_skipped_without_a_reconnect(
 async def test_a_done_event_of_a_task_over_32_mb_disconnects_no_listener(
     server: EmbeddedServer, raw: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    limit = await raw.config_get("client-output-buffer-limit")
-    assert "pubsub 33554432 8388608 60" in limit["client-output-buffer-limit"]
+    limit = (await raw.config_get("client-output-buffer-limit"))["client-output-buffer-limit"]
+    assert limit is not None and "pubsub 33554432 8388608 60" in limit
     prefix = f"big{uuid.uuid4().hex[:8]}"
     heard: list[tuple[str, str]] = []
     async with (

@@ -5,6 +5,7 @@ link, with two peers racing for the same entry."""
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -90,12 +91,15 @@ async def test_a_failed_job_retried_by_id_gets_a_fresh_set_of_attempts(make: Fac
     ],
 )
 async def test_bad_ids_are_refused_and_change_nothing(
-    make: Factory, call: object, error: type[Exception], message: str
+    make: Factory,
+    call: Callable[[Worqr], Awaitable[object]],
+    error: type[Exception],
+    message: str,
 ) -> None:
     worqr = make()
     await failing(worqr, "q", ["a"])
     with pytest.raises(error, match=message):
-        await call(worqr)  # type: ignore[operator]
+        await call(worqr)
     assert [entry.task for entry in await worqr.get_failed("q")] == ["a"]
 
 

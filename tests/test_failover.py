@@ -90,7 +90,7 @@ async def _run_fleet(
         await producer.__aenter__()
         for worker in (first, second):
             for queue in queues:
-                tg.start_soon(lambda w=worker, q=queue: w.consume(q, handler, concurrency=4))
+                tg.start_soon(functools.partial(worker.consume, queue, handler, concurrency=4))
 
         async def inject() -> None:
             await eventually(lambda: len(ledger.acked) >= total // 3, within=60)

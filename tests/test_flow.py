@@ -101,7 +101,7 @@ async def test_bad_rate_limits_are_refused(
 ) -> None:
     worqr = make()
     with pytest.raises(error):
-        await worqr.set_rate_limit("q", limit, per)  # type: ignore[arg-type]
+        await worqr.set_rate_limit("q", limit, per)  # type: ignore[arg-type]  # bad on purpose: must be refused
     assert await worqr.get_rate_limit("q") is None
 
 

@@ -43,7 +43,7 @@ from worqr import (
 from worqr._redis.clock import ServerClock
 from worqr._redis.connections import Client
 
-from .helpers import FAST, RELAXED, Factory, Handler, eventually, raw_keys
+from .helpers import FAST, RELAXED, Factory, Handler, eventually, raw_keys, texts
 from .helpers import consuming as consuming_queue
 from .proxy import LatencyProxy
 
@@ -133,7 +133,7 @@ def test_retry_carries_its_delay() -> None:
     assert Retry(0).delay == 0
     for bad, error in ((-1, ValueError), (float("inf"), ValueError), ("1", TypeError)):
         with pytest.raises(error):
-            Retry(bad)  # type: ignore[arg-type]
+            Retry(bad)  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 def test_job_status_is_a_str_enum_with_the_wire_names() -> None:
@@ -146,8 +146,10 @@ def test_job_status_is_a_str_enum_with_the_wire_names() -> None:
         "failed",
         "unknown",
     ]
-    assert JobStatus("done") is JobStatus.DONE is JobStatus.done
-    assert JobStatus.FAILED == "failed" and str(JobStatus.RUNNING) == "running"
+    # mypy takes the wire-name aliases for members of their own: one lookup, two checks
+    assert JobStatus("done") is JobStatus.DONE and JobStatus("done") is JobStatus.done
+    failed: str = JobStatus.FAILED  # a member is a str
+    assert failed == "failed" and str(JobStatus.RUNNING) == "running"
 
 
 async def test_job_handles_need_no_io(real_make: Factory) -> None:
@@ -607,7 +609,7 @@ async def test_status_and_info_through_a_jobs_life(real_make: Factory, real_clie
     )
     assert before - EPS <= info.enqueued_at <= after + EPS
     with pytest.raises(AttributeError):
-        info.status = JobStatus.DONE  # type: ignore[misc]
+        info.status = JobStatus.DONE  # type: ignore[misc]  # frozen: the assignment must raise
     later = await producer.submit(Q, "later", delay=60)
     later_info = await info_of(later)
     assert later_info.status == JobStatus.DELAYED and later_info.due_at is not None
@@ -1026,7 +1028,7 @@ async def test_retry_failed_does_not_revive_an_id_that_lives_again(
     queued = [task for task in await producer.get_tasks(Q) if '"id":"same-id"' in task]
     assert len(queued) == 1, queued
     record = await real_client.hget(f"{prefix}:q:{{{Q}}}:j:same-id", "env")
-    assert record is not None and record.endswith("\nnew payload")
+    assert isinstance(record, str) and record.endswith("\nnew payload")
     assert await new.status() == JobStatus.QUEUED
 
 
@@ -1418,12 +1420,12 @@ async def test_a_submit_whose_reply_was_lost_writes_the_job_once(
     worqr = Worqr(resending, prefix=prefix, **FAST)
     try:
         await worqr.submit("warm", "up")  # the prefix's version and the clock, first
-        for options in ({}, {"job_id": "given"}):
+        for job_id in (None, "given"):  # a new id, then the caller's
             proxy.lose_next_exec_reply()
             with contextlib.suppress(BackendUnavailableError):
-                await worqr.submit(Q, "once", **options)
+                await worqr.submit(Q, "once", job_id=job_id)
         assert proxy.dropped == 2
-        stored = await real_client.lrange(f"{prefix}:q:{{{Q}}}:tasks", 0, -1)
+        stored = texts(await real_client.lrange(f"{prefix}:q:{{{Q}}}:tasks", 0, -1))
         ids = [json.loads(task.partition("\n")[0][len("\x1ejob:") :])["id"] for task in stored]
         assert len(ids) == 2 and len(set(ids)) == 2, ids
     finally:

@@ -328,4 +328,4 @@ async def test_a_hung_worker_process_loses_its_overdue_job_to_a_peer(
 
 
 if __name__ == "__main__":
-    anyio.run(_worker, *sys.argv[1:6])
+    anyio.run(lambda: _worker(*sys.argv[1:6]))

@@ -28,7 +28,7 @@ from worqr import Backoff, JobFailedError, JobStatus, Process, ProtocolVersionEr
 from worqr._layout.envelope import MARKER, Header, unwrap, wrap
 from worqr._redis.connections import Client
 
-from .helpers import FAST, RELAXED, Factory, eventually, raw_keys
+from .helpers import FAST, RELAXED, Factory, eventually, raw_keys, scored, texts
 
 ROOT = Path(__file__).resolve().parent.parent
 Q = "jobs"
@@ -278,7 +278,7 @@ async def test_the_envelope_record_and_index_of_a_job(
         result_ttl=600,
     )
     after = await server_ms(real_client)
-    (stored,) = await real_client.lrange(key(prefix, "tasks"), 0, -1)
+    (stored,) = texts(await real_client.lrange(key(prefix, "tasks"), 0, -1))
     header, payload = header_of(stored)
     assert payload == "payload\nof two lines"
     assert header == {
@@ -293,7 +293,7 @@ async def test_the_envelope_record_and_index_of_a_job(
     assert before - EPS_MS <= header["e"] <= after + EPS_MS
     record = await real_client.hgetall(key(prefix, "j:wire-1"))
     life = record.pop("life")
-    assert re.fullmatch(r"[0-9a-f]{16}", life)  # this life's token
+    assert isinstance(life, str) and re.fullmatch(r"[0-9a-f]{16}", life)  # this life's token
     assert record == {
         "env": stored,
         "state": "queued",
@@ -336,7 +336,9 @@ async def test_a_delayed_job_and_a_retry_in_the_delayed_set(
     producer, worker = real_make(), real_make()
     async with heard(real_client, key(prefix, "events")) as events:
         later = await producer.submit(Q, "later", job_id="later-1", delay=30)
-        ((stored, due),) = await real_client.zrange(key(prefix, "delayed"), 0, -1, withscores=True)
+        ((stored, due),) = scored(
+            await real_client.zrange(key(prefix, "delayed"), 0, -1, withscores=True)
+        )
         head, payload = header_of(stored)
         assert (head["id"], head["a"], payload) == ("later-1", 1, "later")
         record = await real_client.hgetall(key(prefix, "j:later-1"))
@@ -351,14 +353,16 @@ async def test_a_delayed_job_and_a_retry_in_the_delayed_set(
         retried = await producer.submit(
             Q, "retried", job_id="r-1", max_attempts=3, backoff=Backoff(20.0, jitter=False)
         )
-        (first,) = await real_client.lrange(key(prefix, "tasks"), 0, -1)
+        (first,) = texts(await real_client.lrange(key(prefix, "tasks"), 0, -1))
         started = await server_ms(real_client)
         async with anyio.create_task_group() as tg:
             tg.start_soon(worker.consume, Q, handler)
             await eventually(lambda: _status(retried, JobStatus.DELAYED))
             failed_by = await server_ms(real_client)
             tg.cancel_scope.cancel()
-        entries = dict(await real_client.zrange(key(prefix, "delayed"), 0, -1, withscores=True))
+        entries = dict(
+            scored(await real_client.zrange(key(prefix, "delayed"), 0, -1, withscores=True))
+        )
         (second,) = [entry for entry in entries if header_of(entry)[0]["id"] == "r-1"]
         again = int(entries[second])
         assert header_of(second) == ({**header_of(first)[0], "a": 2}, "retried")
@@ -394,7 +398,9 @@ async def test_the_deadline_of_a_running_attempt(
         tg.start_soon(worker.consume, Q, handler)
         await eventually(lambda: len(held) == 1)
         after = await server_ms(real_client)
-        deadlines = await real_client.zrange(key(prefix, "deadlines"), 0, -1, withscores=True)
+        deadlines = scored(
+            await real_client.zrange(key(prefix, "deadlines"), 0, -1, withscores=True)
+        )
         grace = round(RELAXED["worker_timeout"] * 1000)  # make()'s
         ((pid, deadline),) = deadlines
         assert pid == held[0]
@@ -450,7 +456,7 @@ async def test_done_notices_carry_the_job(
 async def test_cancel_on_the_wire(real_make: Factory, real_client: Redis, prefix: str) -> None:
     producer = real_make()
     job = await producer.submit(Q, "doomed", job_id="c-1")
-    (stored,) = await real_client.lrange(key(prefix, "tasks"), 0, -1)
+    (stored,) = texts(await real_client.lrange(key(prefix, "tasks"), 0, -1))
     async with (
         heard(real_client, key(prefix, "events")) as events,
         heard(real_client, key(prefix, "done")) as done,
@@ -480,7 +486,7 @@ async def test_retry_failed_submits_the_last_envelope_anew(
         with pytest.raises(JobFailedError):
             await job.result(timeout=10)
         tg.cancel_scope.cancel()
-    (raw,) = await real_client.lrange(key(prefix, "failed"), 0, -1)
+    (raw,) = texts(await real_client.lrange(key(prefix, "failed"), 0, -1))
     record = json.loads(raw)
     assert set(record) == {
         "task",
@@ -497,7 +503,7 @@ async def test_retry_failed_submits_the_last_envelope_anew(
     last, payload = header_of(record["envelope"])
     assert (last["id"], last["a"], last["m"], payload) == ("f-1", 2, 2, "payload")
     assert await producer.retry_failed(Q) == 1
-    (stored,) = await real_client.lrange(key(prefix, "tasks"), 0, -1)
+    (stored,) = texts(await real_client.lrange(key(prefix, "tasks"), 0, -1))
     assert header_of(stored) == ({**last, "a": 1}, "payload")
     fields = await real_client.hgetall(key(prefix, "j:f-1"))
     assert (fields["env"], fields["state"], fields["attempts"]) == (stored, "queued", "0")

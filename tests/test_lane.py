@@ -36,7 +36,7 @@ class _CountingPool(ConnectionPool):
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         self.borrows += 1
-        return await super().get_connection(*args, **kwargs)
+        return await ConnectionPool.get_connection(self, *args, **kwargs)
 
 
 def _client(url: str) -> tuple[Redis, _CountingPool]:

@@ -4,6 +4,7 @@ longer than ``worker_timeout``. No fault is injected, so each task runs exactly 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -51,7 +52,9 @@ class Ledger:
         self.runs: Counter[str] = Counter()
         self.lost: list[str] = []
 
-    def handler(self, seconds: float, fail: Callable[[str], bool] = lambda _: False):  # type: ignore[no-untyped-def]
+    def handler(
+        self, seconds: float, fail: Callable[[str], bool] = lambda _: False
+    ) -> Callable[[Process], Awaitable[str]]:
         async def run(process: Process) -> str:
             self.runs[process.task] += 1
             await anyio.sleep(seconds)
@@ -155,7 +158,9 @@ async def test_delete_and_check_repair_on_a_busy_queue_run_nothing_twice(
     await admin.enqueue("jobs", tasks)
     async with anyio.create_task_group() as tg:
         for worqr in workers:
-            tg.start_soon(lambda w=worqr: w.consume("jobs", ledger.handler(SHORT), concurrency=8))
+            tg.start_soon(
+                functools.partial(worqr.consume, "jobs", ledger.handler(SHORT), concurrency=8)
+            )
         with anyio.fail_after(60):
             while sum(ledger.runs.values()) < 60:
                 report = await admin.check(repair=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -14,8 +15,13 @@ from worqr import Process, Worqr
 from worqr.cli.tasklog import talk
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, RELAXED, Factory, consuming, eventually
+from .helpers import FAST, RELAXED, Factory, Intervals, consuming, eventually
 from .proxy import LatencyProxy
+
+
+def extra(record: logging.LogRecord, name: str) -> Any:
+    """The field ``name`` that worqr's logging adds to its records (an ``extra``)."""
+    return getattr(record, name)
 
 
 async def test_every_record_carries_worker_queue_and_process(
@@ -35,11 +41,11 @@ async def test_every_record_carries_worker_queue_and_process(
     records = [r for r in caplog.records if r.name == "worqr"]
     assert records
     for record in records:
-        assert record.worker_id == worker.worker_id  # type: ignore[attr-defined]
+        assert extra(record, "worker_id") == worker.worker_id
         assert hasattr(record, "queue") and hasattr(record, "process_id")
     failure = next(r for r in records if "handler failed" in r.message)
-    assert failure.queue == "jobs"  # type: ignore[attr-defined]
-    assert failure.process_id.startswith(worker.worker_id + "/")  # type: ignore[attr-defined]
+    assert extra(failure, "queue") == "jobs"
+    assert extra(failure, "process_id").startswith(worker.worker_id + "/")
     assert capsys.readouterr() == ("", "")  # the library prints nothing
 
 
@@ -112,7 +118,7 @@ async def test_the_reclaim_of_a_dead_workers_tasks_is_a_warning(
     (record,) = [r for r in caplog.records if "w-dead" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert record.getMessage() == "reclaimed 1 task(s) of dead worker w-dead on 'q', quarantined 0"
-    assert record.queue == "q"  # type: ignore[attr-defined]
+    assert extra(record, "queue") == "q"
 
 
 # -- an outage -------------------------------------------------------------------------------
@@ -137,7 +143,7 @@ async def test_an_outage_logs_one_warning_as_it_starts_and_one_with_the_count_as
                 LatencyProxy(server.port, delay=0.002).running()
             )
             url = proxy.url
-        options = {**RELAXED, "worker_timeout": 10.0}  # no lease lost on a busy machine
+        options: Intervals = {**RELAXED, "worker_timeout": 10.0}  # no lease lost on a busy machine
         workers = [Worqr.from_url(url, prefix=prefix, **options) for _ in range(2)]
         for worker in workers:
             await stack.enter_async_context(worker)
@@ -166,7 +172,7 @@ async def test_an_outage_logs_one_warning_as_it_starts_and_one_with_the_count_as
             r.getMessage()
             for r in caplog.records
             if r.levelno >= logging.WARNING
-            and r.worker_id == worker.worker_id  # type: ignore[attr-defined]
+            and extra(r, "worker_id") == worker.worker_id
             and not r.getMessage().startswith(LEASES)  # a lease lost: news of its own
             and LATE not in r.getMessage()
         ]
@@ -185,7 +191,7 @@ def _failures(caplog: pytest.LogCaptureFixture, worker: Worqr) -> int:
     failed = [
         r
         for r in caplog.records
-        if r.worker_id == worker.worker_id  # type: ignore[attr-defined]
+        if extra(r, "worker_id") == worker.worker_id
         and (r.levelno == logging.DEBUG or UNREACHABLE in r.getMessage())
         and "failed" in r.getMessage()
     ]
@@ -194,6 +200,5 @@ def _failures(caplog: pytest.LogCaptureFixture, worker: Worqr) -> int:
 
 def _said(caplog: pytest.LogCaptureFixture, worker: Worqr, text: str) -> bool:
     return any(
-        text in r.getMessage() and r.worker_id == worker.worker_id  # type: ignore[attr-defined]
-        for r in caplog.records
+        text in r.getMessage() and extra(r, "worker_id") == worker.worker_id for r in caplog.records
     )

@@ -137,7 +137,7 @@ async def test_a_registry_takes_collectors_of_two_peers_before_any_refresh(
 
 def test_a_collector_needs_a_worqr() -> None:
     with pytest.raises(TypeError, match="needs a Worqr, not str"):
-        WorqrCollector("redis://localhost")  # type: ignore[arg-type]
+        WorqrCollector("redis://localhost")  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 async def test_a_quarantined_task_is_counted_by_the_peer_that_moved_it(

@@ -90,7 +90,7 @@ async def test_the_default_is_16_mib(real_client: Redis, prefix: str) -> None:
 )
 async def test_a_bad_limit_is_refused(real_client: Redis, value: object, error: type) -> None:
     with pytest.raises(error, match="max_payload_bytes"):
-        Worqr(real_client, max_payload_bytes=value)  # type: ignore[arg-type]
+        Worqr(real_client, max_payload_bytes=value)  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(error, match="max_payload_bytes"):
         Worqr.from_url("redis://localhost:1", max_payload_bytes=value)
 

@@ -18,6 +18,7 @@ import anyio
 import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from worqr import BackendUnavailableError, Worqr
 from worqr._layout.keys import Keys
@@ -221,7 +222,9 @@ async def test_an_exhausted_sentinel_pool_raises_a_worqr_error_that_says_so(
     async with Worqr.from_url(url, prefix=f"t{uuid.uuid4().hex[:12]}") as worqr:
         redis = worqr._redis
         assert isinstance(redis, Redis)
-        host, port = await redis.connection_pool.get_master_address()  # type: ignore[attr-defined]
+        pool = redis.connection_pool
+        assert isinstance(pool, SentinelConnectionPool)
+        host, port = await pool.get_master_address()
         async with Redis(host=host, port=port) as server:
             await _exhaust_and_recover(worqr, server)
 

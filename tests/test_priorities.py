@@ -13,7 +13,7 @@ import pytest
 from worqr import Process, Worqr
 from worqr._layout.levels import Picker
 
-from .helpers import Factory, consuming, eventually
+from .helpers import Factory, consuming, eventually, texts
 
 
 def test_weighted_plans_serve_16_4_1_and_interleave() -> None:
@@ -108,7 +108,7 @@ async def test_unknown_priorities_are_refused(make: Factory, priority: str) -> N
     with pytest.raises(ValueError, match="priority"):
         await worqr.schedule("s", "q", "t", every=60, priority=priority)
     with pytest.raises(TypeError, match="priority"):
-        await worqr.enqueue("q", "t", priority=1)  # type: ignore[arg-type]
+        await worqr.enqueue("q", "t", priority=1)  # type: ignore[arg-type]  # bad on purpose: must be refused
     assert await worqr.count_queue("q") == 0
 
     async def handler(process: Process) -> None:
@@ -170,7 +170,7 @@ async def test_jobs_and_their_retries_keep_their_level(make: Factory) -> None:
             return len(await producer.get_tasks("q")) == 4
 
         await eventually(retried)
-        high = await producer._redis.lrange(producer._keys.level("q", "high"), 0, -1)
+        high = texts(await producer._redis.lrange(producer._keys.level("q", "high"), 0, -1))
         assert len(high) == 1 and high[0].endswith("\nflaky") and '"p":"high"' in high[0]
         await producer.submit_many("q", ["later"], priority="low", delay=0.01)
 
@@ -178,7 +178,7 @@ async def test_jobs_and_their_retries_keep_their_level(make: Factory) -> None:
             return len(await producer.get_tasks("q")) == 5
 
         await eventually(promoted)
-        low = await producer._redis.lrange(producer._keys.level("q", "low"), 0, -1)
+        low = texts(await producer._redis.lrange(producer._keys.level("q", "low"), 0, -1))
         assert len(low) == 1 and low[0].endswith("\nlater")
 
 

@@ -38,7 +38,7 @@ async def test_dequeue_moves_head_into_a_process(make: Factory, client: Redis, p
     assert state[f"{prefix}:q:{{jobs}}:held:{w}"] == [process.id]
     assert state[f"{prefix}:q:{{jobs}}:holders"] == [w]
     with pytest.raises(AttributeError):
-        process.task = "changed"  # type: ignore[misc]
+        process.task = "changed"  # type: ignore[misc]  # frozen: the assignment must raise
 
 
 async def test_dequeue_empty_leaves_no_trace(make: Factory, client: Redis, prefix: str) -> None:

@@ -4,6 +4,7 @@ interleaving that a slow link or a busy fleet produces, then checks where every 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import subprocess
 import sys
@@ -17,7 +18,6 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _ops
-from worqr._layout import names as _names
 from worqr._layout.keys import Keys
 from worqr._ops.check import Problem
 
@@ -147,7 +147,7 @@ async def test_repair_in_a_loop_while_a_fleet_drains_runs_every_task_once(
     repairs = 0
     async with anyio.create_task_group() as tg:
         for worqr in fleet:
-            tg.start_soon(lambda w=worqr: w.consume("jobs", handler, concurrency=1))
+            tg.start_soon(functools.partial(worqr.consume, "jobs", handler, concurrency=1))
         await fleet[0].enqueue("jobs", tasks)
         with anyio.fail_after(60):
             while sum(executions.values()) < len(tasks) or await admin.count_queue("jobs"):
@@ -200,7 +200,9 @@ async def test_reclaim_order_survives_a_wall_clock_stepped_back(
     await worqr.enqueue("jobs", ["t1", "t2", "t3"])
     assert await worqr.dequeue("jobs") is not None
     now = time.time_ns()
-    monkeypatch.setattr(_names.time, "time_ns", lambda: now - 60 * 10**9)  # NTP step back
+    monkeypatch.setattr(
+        "worqr._layout.names.time.time_ns", lambda: now - 60 * 10**9
+    )  # NTP step back
     assert await worqr.dequeue("jobs") is not None
     monkeypatch.undo()
     await worqr.fail_worker()
@@ -228,7 +230,7 @@ async def test_delete_queue_gets_through_on_a_busy_queue(
         await eventually(lambda: _drained_some(worqr, 100_000 - 2_000), within=60)
         await worqr.delete_queue("busy")  # every WATCHed attempt aborted before
         for child in fleet:  # each worker's consume ends on the delete event
-            await anyio.to_thread.run_sync(lambda c=child: c.wait(30))
+            await anyio.to_thread.run_sync(child.wait, 30)
     finally:
         for child in fleet:
             reap(child)
@@ -393,7 +395,7 @@ async def test_consume_racing_a_fail_or_stop_never_runs_unsupervised(
         await anyio.sleep(FAST["worker_timeout"] * 2)
         if not ended.is_set():
             assert worqr._consumers
-            assert worqr._peer.supervisor is not None
+            assert worqr._supervisor is not None
             assert "jobs" in worqr._working
             assert await real_client.exists(Keys(prefix).heartbeat(worqr.worker_id))
             assert await worqr.get_working_queues() == ["jobs"]
@@ -465,7 +467,9 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
     taken = await worker.dequeue("jobs")
     assert taken is not None
     stalled = anyio.Event()
-    real = _ops.end.finish_many if how == "finish" else _ops.end.fail
+    real: Callable[..., Awaitable[object]] = (
+        _ops.end.finish_many if how == "finish" else _ops.end.fail
+    )
 
     async def late(*args: object, **kwargs: object) -> object:
         """The stall, between the end's lease check and its write."""
@@ -475,7 +479,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
         await real_client.delete(Keys(prefix).heartbeat(worker.worker_id))
         await peer.cleanup_workers()  # a peer took the worker for dead meanwhile
         stalled.set()
-        return await real(*args, **kwargs)  # type: ignore[operator]
+        return await real(*args, **kwargs)
 
     monkeypatch.setattr(_ops.end, "finish_many" if how == "finish" else "fail", late)
     if how == "finish":

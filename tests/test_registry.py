@@ -212,12 +212,10 @@ async def _round_trips(worqr: Worqr, call: Callable[[], Awaitable[Any]]) -> int:
         count += 1
         return original_pipeline(*args, **options)
 
-    client.execute_command = command  # type: ignore[method-assign]
-    client.pipeline = pipeline  # type: ignore[method-assign]
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client, "execute_command", command)
+        patch.setattr(client, "pipeline", pipeline)
         await call()
-    finally:
-        del client.execute_command, client.pipeline
     return count
 
 
@@ -236,7 +234,7 @@ async def test_a_peer_touching_many_transient_queues_stays_small(real_make: Fact
         await worker.enqueue(queue, "x")
         async with anyio.create_task_group() as tg:
             tg.start_soon(worker.consume, queue, handler)
-            await eventually(lambda target=i + 1: done == target)  # type: ignore[misc]
+            await eventually(lambda target=i + 1: done == target)
             await eventually(lambda: _no_finishers(worker))
             await worker.stop_work(queue)
             tg.cancel_scope.cancel()

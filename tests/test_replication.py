@@ -91,7 +91,7 @@ async def test_bad_wait_options_are_refused(
     real_client: Redis, options: dict[str, object], error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        Worqr(real_client, **options)  # type: ignore[arg-type]
+        Worqr(real_client, **options)  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 async def test_a_wait_whose_connection_is_killed_reports_an_unknown_outcome_and_pushes_once(

@@ -50,7 +50,7 @@ async def test_a_schedule_is_stored_listed_and_removed(make: Factory) -> None:
     assert await worqr.unschedule("nightly") is False
     assert [s.name for s in await worqr.get_schedules()] == ["often"]
     with pytest.raises(AttributeError):
-        often.name = "x"  # type: ignore[misc]
+        often.name = "x"  # type: ignore[misc]  # frozen: the assignment must raise
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ async def test_bad_schedules_are_refused_and_nothing_is_stored(
 ) -> None:
     worqr = make()
     with pytest.raises(error):
-        await worqr.schedule("s", "q", "p", **options)  # type: ignore[arg-type]
+        await worqr.schedule("s", "q", "p", **options)  # type: ignore[arg-type]  # bad on purpose: must be refused
     assert await worqr.get_schedules() == []
 
 
@@ -137,7 +137,7 @@ async def _has_high(redis: Redis, prefix: str) -> bool:
 
 async def _stored(worqr: Worqr, redis: Redis, name: str, queue: str, **since: int) -> None:
     """Rewrite a schedule's record as if it was stored, or last ticked, long ago."""
-    key = worqr._layout.keys.schedule(queue, name)
+    key = worqr._keys.schedule(queue, name)
     await redis.hset(key, mapping={field: value for field, value in since.items()})
 
 
@@ -162,7 +162,7 @@ async def test_misfired_ticks_follow_the_rule(
     await worqr.schedule("hourly", "q", "p", every=3600, misfire=misfire)
     now = await _server_ms(real_client)
     await _stored(worqr, real_client, "hourly", "q", since=now - 5 * HOUR_MS - 1000)
-    done = await fire(worqr._redis, worqr._layout.keys, "q", "hourly")
+    done = await fire(worqr._redis, worqr._keys, "q", "hourly")
     assert len(done.submitted) == expected
     latest = now - now % HOUR_MS
     if expected:
@@ -170,7 +170,7 @@ async def test_misfired_ticks_follow_the_rule(
     assert await worqr.count_queue("q") == expected
     (info,) = await worqr.get_schedules()
     assert info.last_tick == latest / 1000  # handled, whether submitted or not
-    again = await fire(worqr._redis, worqr._layout.keys, "q", "hourly")
+    again = await fire(worqr._redis, worqr._keys, "q", "hourly")
     assert again.submitted == []
 
 
@@ -179,7 +179,7 @@ async def test_misfire_all_submits_at_most_100(real_make: Factory, real_client: 
     await worqr.schedule("fast", "q", "p", every=1, misfire="all")
     now = await _server_ms(real_client)
     await _stored(worqr, real_client, "fast", "q", since=now - 500_000)
-    done = await fire(worqr._redis, worqr._layout.keys, "q", "fast")
+    done = await fire(worqr._redis, worqr._keys, "q", "fast")
     assert len(done.submitted) == 100
     assert done.submitted == sorted(done.submitted)
     assert await worqr.count_queue("q") == 100
@@ -214,7 +214,7 @@ async def test_restoring_the_same_schedule_changes_nothing(
 ) -> None:
     worqr = real_make()
     await worqr.schedule("s", "q", "p", every=60)
-    key = worqr._layout.keys.schedule("q", "s")
+    key = worqr._keys.schedule("q", "s")
     since = await real_client.hget(key, "since")
     await anyio.sleep(0.01)
     await worqr.schedule("s", "q", "p", every=60)

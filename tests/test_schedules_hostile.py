@@ -71,10 +71,10 @@ async def test_no_overlap_submits_one_of_many_missed_ticks(
     await worqr.schedule("one", "q", "p", every=1, misfire="all", overlap=False)
     seconds, micros = await real_client.time()
     now = int(seconds) * 1000 + int(micros) // 1000
-    await real_client.hset(worqr._layout.keys.schedule("q", "one"), "since", now - 5500)
+    await real_client.hset(worqr._keys.schedule("q", "one"), "since", now - 5500)
     from worqr._ops.schedules import fire
 
-    done = await fire(worqr._redis, worqr._layout.keys, "q", "one")
+    done = await fire(worqr._redis, worqr._keys, "q", "one")
     assert len(done.submitted) == 1
 
 
@@ -91,13 +91,15 @@ async def test_no_overlap_submits_one_of_many_missed_ticks(
     ],
 )
 async def test_a_definition_no_worker_can_run_stops_nothing_else(
-    real_make: Factory, real_client: Redis, broken: object
+    real_make: Factory, real_client: Redis, broken: dict[str, object] | str
 ) -> None:
     producer, worker = real_make(), real_make()
     await producer.schedule("bad", "qa", "p", every=0.05)
     await producer.schedule("good", "qb", "p", every=0.05)
     key = producer._keys.schedule("qa", "bad")
-    stored = json.loads(await real_client.hget(key, "def"))
+    definition = await real_client.hget(key, "def")
+    assert definition is not None
+    stored = json.loads(definition)
     raw = broken if isinstance(broken, str) else json.dumps({**stored, **broken})
     await real_client.hset(key, "def", raw)
     runs: list[str] = []

@@ -81,14 +81,14 @@ async def test_ticks_a_busy_worker_reaches_late_are_submitted_and_counted(
     now = int(seconds) * 1000 + int(micros) // 1000
     last = now - now % 1000 - 5000
     await real_client.hset(
-        worqr._layout.keys.schedule("q", "busy"),
+        worqr._keys.schedule("q", "busy"),
         mapping={"since": last, "last": last, "seen": last},
     )
-    done = await fire(worqr._redis, worqr._layout.keys, "q", "busy")
+    done = await fire(worqr._redis, worqr._keys, "q", "busy")
     assert [_tick_ms(job_id) for job_id in done.submitted] == [
         last + i * 1000 for i in (1, 2, 3, 4, 5)
     ]
     (info,) = await worqr.get_schedules()
     assert info.late >= 4 and info.skipped == 0
-    again = await fire(worqr._redis, worqr._layout.keys, "q", "busy")  # none of those again; the
+    again = await fire(worqr._redis, worqr._keys, "q", "busy")  # none of those again; the
     assert all(_tick_ms(job_id) > last + 5000 for job_id in again.submitted)  # next may be due

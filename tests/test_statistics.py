@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from worqr import Process, QueueStatistics
+from worqr import Process, QueueStatistics, Worqr
 
 from .helpers import Factory, eventually
 
@@ -37,16 +37,17 @@ async def test_statistics_snapshot(make: Factory) -> None:
     )
     assert (stats.completed_here, stats.failed_here) == (2, 1)
     assert stats.duration_p50 is not None and 0.0 <= stats.duration_p50 < 5
-    assert stats.duration_p50 <= stats.duration_p90 <= stats.duration_p99  # type: ignore[operator]
+    assert stats.duration_p90 is not None and stats.duration_p99 is not None
+    assert stats.duration_p50 <= stats.duration_p90 <= stats.duration_p99
     with pytest.raises(AttributeError):
-        stats.queued = 5  # type: ignore[misc]
+        stats.queued = 5  # type: ignore[misc]  # frozen: the assignment must raise
     other = await producer.statistics("jobs")
     assert (other.completed_here, other.duration_p50) == (0, None)  # this peer did nothing
     assert other.failed == 1
 
 
-async def _settled(worqr: object) -> bool:
-    stats = await worqr.statistics("jobs")  # type: ignore[attr-defined]
+async def _settled(worqr: Worqr) -> bool:
+    stats = await worqr.statistics("jobs")
     return bool(stats.completed_here == 2 and stats.failed_here == 1 and stats.in_process == 1)
 
 

@@ -106,6 +106,7 @@ async def test_a_sentinel_url_closes_every_sentinel_client_even_if_redis_py_drop
     that client's connections. The test server stands in for two Sentinels."""
     address = redis_url.removeprefix("redis://").partition("/")[0]
     instance = Worqr.from_url(f"redis+sentinel://{address},{address}/service")
+    assert isinstance(instance._redis, Redis)  # a Sentinel's master: one server's client
     pool = instance._redis.connection_pool
     assert isinstance(pool, SentinelConnectionPool)
     clients = pool.sentinel_manager.sentinels

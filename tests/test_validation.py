@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ async def test_bad_queue_names_are_rejected_everywhere(
 ) -> None:
     worqr = make()
     await worqr.start_worker()
-    calls = [
+    calls: list[Callable[[], Awaitable[object]]] = [
         lambda: worqr.enqueue(queue, "t"),
         lambda: worqr.peek_queue(queue),
         lambda: worqr.count_queue(queue),
@@ -99,11 +100,11 @@ async def test_a_payload_that_is_no_str_is_named_and_the_way_out_given(
     says to encode it; bytes are to be decoded."""
     worqr = make()
     with pytest.raises(TypeError, match=r"^payload must be a str, not dict \(encode it first"):
-        await worqr.submit("jobs", {"order": 1})  # type: ignore[arg-type]
+        await worqr.submit("jobs", {"order": 1})  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(TypeError, match=r"^payload must be a str, not bytes \(decode bytes"):
-        await worqr.submit_many("jobs", [b"x"])  # type: ignore[list-item]
+        await worqr.submit_many("jobs", [b"x"])  # type: ignore[list-item]  # bad on purpose: must be refused
     with pytest.raises(TypeError, match=r"^task must be a str or a sequence of str, not dict"):
-        await worqr.enqueue("jobs", {"order": 1})  # type: ignore[arg-type]
+        await worqr.enqueue("jobs", {"order": 1})  # type: ignore[arg-type]  # bad on purpose: must be refused
     assert await raw_keys(client, prefix) == {}
 
 
@@ -124,7 +125,7 @@ async def test_bad_worker_ids_in_calls(make: Factory) -> None:
     with pytest.raises(InvalidWorkerIdError):
         await worqr.get_working_queues("bad/id")
     with pytest.raises(TypeError):
-        await worqr.fail_worker(7)  # type: ignore[arg-type]
+        await worqr.fail_worker(7)  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 @pytest.mark.parametrize(
@@ -142,12 +143,12 @@ async def test_malformed_process_ids(make: Factory, process_id: str) -> None:
 async def test_wrong_types_for_processes_and_results(make: Factory) -> None:
     worqr = make()
     with pytest.raises(TypeError):
-        await worqr.finish_process(123)  # type: ignore[arg-type]
+        await worqr.finish_process(123)  # type: ignore[arg-type]  # bad on purpose: must be refused
     pid = f"{worqr.worker_id}/{'0' * 22}/jobs"
     with pytest.raises(TypeError):
-        await worqr.finish_process(Process(pid, "t", "jobs"), result=5)  # type: ignore[arg-type]
+        await worqr.finish_process(Process(pid, "t", "jobs"), result=5)  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(TypeError):
-        await worqr.get_matching_processes(None)  # type: ignore[arg-type]
+        await worqr.get_matching_processes(None)  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 @pytest.mark.parametrize(
@@ -175,7 +176,7 @@ def test_bad_options(client: Redis, options: dict[str, Any], error: type[Excepti
 
 def test_client_must_be_an_asyncio_redis() -> None:
     with pytest.raises(TypeError, match=r"redis\.asyncio\.Redis"):
-        Worqr("redis://localhost")  # type: ignore[arg-type]
+        Worqr("redis://localhost")  # type: ignore[arg-type]  # bad on purpose: must be refused
 
 
 async def test_consume_argument_checks(make: Factory) -> None:
@@ -187,10 +188,10 @@ async def test_consume_argument_checks(make: Factory) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         await worqr.consume("jobs", handler, concurrency=0)
     with pytest.raises(TypeError):
-        await worqr.consume("jobs", handler, concurrency=1.5)  # type: ignore[arg-type]
+        await worqr.consume("jobs", handler, concurrency=1.5)  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(TypeError):
-        await worqr.consume("jobs", "not callable")  # type: ignore[arg-type]
+        await worqr.consume("jobs", "not callable")  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(TypeError):
-        worqr.on("jobs", "not callable")  # type: ignore[arg-type]
+        worqr.on("jobs", "not callable")  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(TypeError):
-        await worqr.retry_failed("jobs", "2")  # type: ignore[arg-type]
+        await worqr.retry_failed("jobs", "2")  # type: ignore[arg-type]  # bad on purpose: must be refused

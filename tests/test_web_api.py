@@ -384,7 +384,7 @@ async def test_an_unreachable_redis_is_503_unavailable() -> None:
 
 def test_create_app_refuses_what_it_cannot_serve() -> None:
     with pytest.raises(TypeError, match="a Worqr or a Redis URL"):
-        create_app(42)  # type: ignore[arg-type]
+        create_app(42)  # type: ignore[arg-type]  # bad on purpose: must be refused
     with pytest.raises(ValueError, match="non-empty string"):
         create_app("redis://localhost", token="")
 
@@ -503,9 +503,9 @@ async def test_a_token_beyond_ascii(real_make: Factory, redis_url: str, prefix: 
         httpx.AsyncClient(base_url=base) as client,
     ):
         url, body = "/api/queues/q/tasks", {"tasks": ["x"]}
-        wrong = await client.post(url, json=body, headers={"Authorization": b"Bearer \xc3\xa9"})
+        wrong = await client.post(url, json=body, headers={b"Authorization": b"Bearer \xc3\xa9"})
         assert error_of(wrong) == (401, "unauthorized")
-        right = {"Authorization": "Bearer pässwort".encode()}
+        right = {b"Authorization": "Bearer pässwort".encode()}
         assert (await client.post(url, json=body, headers=right)).status_code == 201
     assert await real_make().get_tasks("q") == ["x"]
 

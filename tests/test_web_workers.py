@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import httpx
@@ -40,12 +41,14 @@ async def register(client: httpx.AsyncClient, *queues: str, patience: float = 10
     return worker_id
 
 
-async def take(client: httpx.AsyncClient, worker: str, queue: str, count: int) -> list[dict]:
+async def take(
+    client: httpx.AsyncClient, worker: str, queue: str, count: int
+) -> list[dict[str, Any]]:
     leased = await client.post(
         f"/api/workers/{worker}/lease", json={"queue": queue, "count": count}
     )
     assert leased.status_code == 200, leased.text
-    processes: list[dict] = leased.json()["processes"]
+    processes: list[dict[str, Any]] = leased.json()["processes"]
     return processes
 
 
@@ -86,7 +89,8 @@ async def test_a_job_leased_over_http_ends_with_its_result(
     assert (process["job_id"], process["attempt"], process["max_attempts"]) == ("j1", 1, 2)
     assert process["timeout"] == 60
     await client.post(f"/api/processes/{process['id']}/fail", json={"error": "not yet"})
-    assert (await job.info()).attempts == 1  # type: ignore[union-attr]
+    info = await job.info()
+    assert info is not None and info.attempts == 1
     await client.delete(f"/api/workers/{worker}")
 
 
@@ -122,7 +126,7 @@ async def test_an_http_worker_that_stops_calling_is_reclaimed_by_a_live_peer(
     ],
 )
 async def test_bad_worker_calls(
-    client: httpx.AsyncClient, path: str, body: dict, code: int
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], code: int
 ) -> None:
     assert (await client.post(path, json=body)).status_code == code
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
+from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from worqr._errors import is_wrong_type
 from worqr._redis import wire as _wire
 from worqr._redis.wire import (
+    Wire,
     _parses_in_c,
     borrowed,
     exchange,
@@ -56,13 +57,13 @@ ARGS = st.one_of(
         max_size=4,
     )
 )
-def test_pack_gives_the_bytes_redis_py_sends(commands: list[tuple[object, ...]]) -> None:
+def test_pack_gives_the_bytes_redis_py_sends(commands: list[Wire]) -> None:
     # ASCII-compatible ones, and ones that write some ASCII characters otherwise
     for encoding in ("utf-8", "latin-1", "shift_jisx0213", "hz"):
         connection = Connection(encoding=encoding, encoding_errors="replace")
         packed = (connection.pack_command(*command) for command in commands)
         expected = b"".join(b"".join(parts) for parts in packed)
-        assert pack(commands, encoding, "replace") == expected  # type: ignore[arg-type]
+        assert pack(commands, encoding, "replace") == expected
 
 
 PACKERS = ["hiredis", "python"]
@@ -91,7 +92,7 @@ def packer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 )
 @pytest.mark.parametrize("name", PACKERS)
 def test_both_packers_of_a_utf8_client_give_redis_pys_bytes(
-    name: str, commands: list[tuple[object, ...]]
+    name: str, commands: list[Wire]
 ) -> None:
     connection = Connection()  # UTF-8, strict: the default, and the hot paths' case
     sendable = [c for c in commands if not any(_surrogate(arg) for arg in c)]
@@ -100,7 +101,7 @@ def test_both_packers_of_a_utf8_client_give_redis_pys_bytes(
     with pytest.MonkeyPatch.context() as patch:
         if name == "python":
             patch.setattr(_wire, "_c_pack", None)
-        assert pack(sendable) == expected  # type: ignore[arg-type]
+        assert pack(sendable) == expected
 
 
 def _surrogate(arg: object) -> bool:
@@ -110,7 +111,7 @@ def _surrogate(arg: object) -> bool:
 @pytest.mark.parametrize("arg", [True, None, [1], 1j])
 def test_pack_refuses_what_redis_py_refuses(packer: str, arg: object) -> None:
     with pytest.raises(DataError, match="cannot send"):
-        pack([("SET", "k", arg)])  # type: ignore[list-item]
+        pack([("SET", "k", arg)])  # type: ignore[list-item]  # bad on purpose: must be refused
 
 
 class _Level(enum.IntEnum):
@@ -210,7 +211,12 @@ async def test_pushes_between_replies_go_to_the_push_handler(
             async def handler(push: object) -> None:
                 pushes.append(push)
 
-            connection._parser.set_invalidation_push_handler(handler)
+            parser = connection._parser  # on RESP3, one of redis-py's push-capable parsers
+            if isinstance(parser, _AsyncHiredisParser):
+                parser.set_invalidation_push_handler(handler)
+            else:
+                assert isinstance(parser, _AsyncRESP3Parser)
+                parser.set_invalidation_push_handler(handler)
             assert await exchange(connection, [("CLIENT", "TRACKING", "ON"), ("GET", key)]) == [
                 "OK",
                 None,

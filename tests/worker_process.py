@@ -32,4 +32,4 @@ async def main(url: str, prefix: str, queue: str, busy: str = "") -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main, *sys.argv[1:5])
+    anyio.run(lambda: main(*sys.argv[1:5]))
