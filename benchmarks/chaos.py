@@ -59,7 +59,7 @@ workers x 2,500 handler slots, fed in bursts of 2,500 tasks, so that one worker 
 thousands of processes at once; it keeps worqr's default timing (a 3 s worker
 timeout), since a loop that runs thousands of handlers on a busy machine can lag past
 the 1 s used otherwise, and then it is fenced. There is no Cluster mode: the harness
-runs one server (the Cluster's failover is tested by ``tests/test_failover.py``).
+runs one server (the Cluster's failover is tested by ``tests/faults/test_failover.py``).
 
 It prints a markdown table, and one of the jobs with a column per phase (``--json``:
 the report as JSON on the last line too, the jobs' figures under ``"jobs"``), and

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypedDict
 
 import anyio
@@ -128,3 +128,9 @@ def patch_everywhere(monkeypatch: pytest.MonkeyPatch, original: object, replacem
                 count += 1
     assert count, f"no worqr module holds {original!r}"
     return count
+
+
+async def works_on(watcher: Worqr, queues: Sequence[str], worker_id: str | None = None) -> bool:
+    """Whether Redis says that ``worker_id`` (``watcher``'s own by default) works on
+    exactly ``queues``."""
+    return sorted(await watcher.get_working_queues(worker_id)) == sorted(queues)

@@ -122,7 +122,7 @@ async def test_the_mounted_app_serves(redis_url: str, monkeypatch: pytest.Monkey
 
 def test_every_snippet_has_a_test() -> None:
     """Each file of docs/snippets/ is run: mount.py above, test_send_email.py by
-    tests/test_testing.py."""
+    tests/testing/test_testing.py."""
     assert {path.name for path in SNIPPETS} == {"mount.py", "test_send_email.py"}
 
 

@@ -22,7 +22,7 @@ from worqr.web import create_app
 
 from .helpers import RELAXED, Factory, consuming, eventually, raw_keys
 from .proxy import LatencyProxy
-from .test_web_api import SCRIPT, serving
+from .web.test_web_api import SCRIPT, serving
 
 LIMIT = 64
 MIB16 = 16 * 1024 * 1024

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from worqr import DuplicateTaskError, JobFailedError, Process, ProtocolVersionError, Worqr
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, eventually, raw_keys
+from .helpers import FAST, eventually, raw_keys, works_on
 
 
 def _cli_binary() -> str:
@@ -57,7 +57,7 @@ async def test_a_task_enqueued_by_redis_cli_is_consumed(server: EmbeddedServer) 
     async with Worqr.from_url(server.url, **FAST) as worqr:
         async with anyio.create_task_group() as tg:
             tg.start_soon(worqr.consume, "jobs", handler)
-            await eventually(lambda: _working(worqr))
+            await eventually(lambda: works_on(worqr, ["jobs"]))
             redis_cli(
                 server,
                 "SADD worqr:queues jobs\n"
@@ -67,10 +67,6 @@ async def test_a_task_enqueued_by_redis_cli_is_consumed(server: EmbeddedServer) 
             await eventually(lambda: done == ["from-cli-1", "from-cli-2"])
             tg.cancel_scope.cancel()
         assert (await worqr.check()).ok
-
-
-async def _working(worqr: Worqr) -> bool:
-    return await worqr.get_working_queues() == ["jobs"]
 
 
 async def test_a_task_enqueued_by_the_library_is_worked_by_redis_cli(
@@ -194,7 +190,7 @@ async def test_jobs_submitted_by_redis_cli_are_run_by_the_library(
     async with Redis.from_url(server.url) as clock, Worqr.from_url(server.url, **FAST) as worqr:
         async with anyio.create_task_group() as tg:
             tg.start_soon(worqr.consume, "jobs", handler)
-            await eventually(lambda: _working(worqr))
+            await eventually(lambda: works_on(worqr, ["jobs"]))
             # Version: the library started on "2"; the first job moves the prefix to 3.
             replies = redis_cli(
                 server,
