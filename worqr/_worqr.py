@@ -1,7 +1,8 @@
 """`Worqr`: the object users hold. It validates input, keeps this peer's local
 state (worker, queues worked on, processes held, consumers) and delegates every
-write to `_ops`. (Over 800 lines: the worker runtime moves out to `_peer/` with the
-package's move to layers, leaving a thin facade.)"""
+write to `_ops`. (Over 800 lines, and its class over 600: the worker runtime, from the
+take to fencing and settling, still lives here; it is the next to move, to `_peer/`,
+leaving a thin facade.)"""
 
 from __future__ import annotations
 

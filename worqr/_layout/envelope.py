@@ -55,7 +55,7 @@ class Header:
     enqueued_at: int
     """Unix ms, server time."""
     priority: str = "normal"
-    """The level whose list the job waits in (see `_levels`)."""
+    """The level whose list the job waits in (see `_layout.levels`)."""
 
     def next_attempt(self) -> Header:
         return replace(self, attempt=self.attempt + 1)

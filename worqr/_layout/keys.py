@@ -67,7 +67,7 @@ class Keys:
         return f"{self.prefix}:q:{{{queue}}}:tasks"
 
     def level(self, queue: str, level: str) -> str:
-        """LIST of the queued tasks of one priority level (see `_levels`): ``tasks`` for
+        """LIST of the queued tasks of one priority level (see `_layout.levels`): ``tasks`` for
         ``normal``, ``high`` and ``low`` for the others."""
         return self.tasks(queue) if level == "normal" else f"{self.prefix}:q:{{{queue}}}:{level}"
 

@@ -200,7 +200,7 @@ class ProcessRef:
 
     @property
     def level(self) -> str:
-        """The priority level the task was taken from (see `_levels`)."""
+        """The priority level the task was taken from (see `_layout.levels`)."""
         return level_of(self.token)
 
     @property

@@ -78,7 +78,7 @@ class Definition:
     misfire: str
     overlap: bool
     options: dict[str, Any]
-    """The submit options of each tick's job (see `_jobs.options`)."""
+    """The submit options of each tick's job (see `_layout.jobs.options`)."""
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))

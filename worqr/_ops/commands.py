@@ -192,7 +192,7 @@ async def _in_order(r: Client, groups: Sequence[tuple[str, Sequence[Command]]]) 
 async def _atomic(once: Client, key: str, commands: Sequence[Command]) -> list[Any]:
     """Run commands in one MULTI/EXEC on the server of ``key``'s slot; their replies.
 
-    ``once`` must not resend (see `_connections`): a transaction whose reply was lost
+    ``once`` must not resend (see `_redis.connections`): a transaction whose reply was lost
     may still land later, so a resend could apply it twice, or report "nothing to do"
     for what the first attempt did. The outcome is then unknown:
     `BackendUnavailableError`.

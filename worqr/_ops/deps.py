@@ -1,4 +1,4 @@
-"""The transactions of dependencies between jobs (see `_deps`): submitting jobs that
+"""The transactions of dependencies between jobs (see `_layout.deps`): submitting jobs that
 wait, and releasing waiting jobs whose dependencies ended.
 
 A waiting job is in no list: its envelope stays in its record (state ``waiting``),
@@ -229,7 +229,7 @@ class _Waiting:
 
 @redis_boundary
 async def release(r: Client, keys: Keys, queue: str) -> int:
-    """Judge the jobs in ``released`` (see `_deps.judge`), at most `_RELEASE_BATCH` a
+    """Judge the jobs in ``released`` (see `_layout.deps.judge`), at most `_RELEASE_BATCH` a
     transaction, until none is left; return how many were judged. A job whose
     dependencies all ended done goes to the back of its level (or to the delayed set,
     if it is not due yet); one with a failed dependency, or whose dependency's outcome

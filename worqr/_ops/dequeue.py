@@ -84,7 +84,7 @@ async def dequeue(
 ) -> list[Process]:
     """Move up to ``count`` tasks from the heads of the queue's level lists into new
     processes of this worker, the levels chosen by ``picker`` under ``policy`` (see
-    `_levels`), FIFO within a level; an empty list when the queue is empty. Raises
+    `_layout.levels`), FIFO within a level; an empty list when the queue is empty. Raises
     `Paused` (nothing taken) while the queue is paused; a queue with a rate limit
     goes through `_dequeue_limited`.
 
@@ -94,7 +94,7 @@ async def dequeue(
     rate-limited or has tasks of other levels than normal). Without ``normal`` the
     normal level is left alone (a blocking take's task may be on its way back to its
     front: a task taken behind it would run first).
-    ``once`` is a client whose transactions are never resent (see `_connections`):
+    ``once`` is a client whose transactions are never resent (see `_redis.connections`):
     the transaction must not run twice. If its reply is lost, LINDEX p:<id> 0 for each
     id tells whether it took effect: then its processes are adopted. Otherwise it is
     sent again with FRESH ids, because "not yet" is not "never": a transaction held up

@@ -1,4 +1,4 @@
-"""The writes of flow control (see `_flow`): pause, resume, rate limits."""
+"""The writes of flow control (see `_layout.flow`): pause, resume, rate limits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The atomic operations of schedules (see `_schedules`): store, drop, read, fire.
+"""The atomic operations of schedules (see `_layout.schedules`): store, drop, read, fire.
 
 A schedule lives in its queue's hash slot (``s:<name>``, listed in the queue's
 ``schedules`` set), so that the claim of a tick and the submission of its job are

@@ -2,7 +2,7 @@
 (Over 800 lines: the client kinds, the Cluster's routing and its admission share
 private state; it splits with the package's move to layers, `_redis/`.)
 
-Every transaction touches one hash slot (see `_keys`). On one server it runs on the
+Every transaction touches one hash slot (see `_layout.keys`). On one server it runs on the
 client itself; on a Cluster it runs on a plain client of the primary that serves the
 slot (`on_slot`), re-routed when the slot moved or its primary failed over.
 

@@ -13,7 +13,7 @@ from .connections import Client as Client
 def text(value: bytes | str) -> str:
     """A Redis reply as str, whatever the client's ``decode_responses``: bytes that
     are not valid UTF-8 become lone surrogates, as worqr's own clients decode them, so
-    that writing the str back stores the same bytes (see `_models.readable`)."""
+    that writing the str back stores the same bytes (see `_layout.models.readable`)."""
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
 
 

@@ -17,7 +17,7 @@ through redis-py's own calls. No exchange runs redis-py's health check first (se
 `_write`).
 
 A connection is borrowed from the client's pool for one exchange (or one WATCH
-session; enqueue has one of its own, `_lane`), and dropped, never given back, when an
+session; enqueue has one of its own, `_redis.lane`), and dropped, never given back, when an
 exchange fails or is cancelled midway: replies left unread on it would answer the
 next user's commands.
 """
