@@ -1,9 +1,12 @@
 """The atomic operations: the only code that writes to Redis.
 
-One module per transition, named as in docs/diagrams/ (``enqueue``, ``submit``,
-``dequeue``, ``block``, ``end``, ``stop``, ``reclaim``, ``workers``, ``repairs``,
-``inspect``, ``deps``, ``flow``, ``schedules``, ...), built from the round trips of
-`commands` and the shared write builders of `writes`. Every MULTI/EXEC block touches
+One module per transition or family of transitions: ``enqueue``, ``submit``,
+``promote``, ``dequeue``, ``block`` (the blocking take), ``end`` (finish, fail,
+deadlines), ``stop``, ``cancel``, ``queues`` (cancel a task, delete a queue),
+``failed``, ``reclaim``, ``workers`` (register, heartbeat, the supervision scan,
+fail_worker), ``repairs``, ``deps``, ``flow``, ``schedules``; docs/diagrams/ draws each.
+They are built from the round trips of `commands` and the shared write builders of
+`writes`; ``inspect`` and ``check`` only read. Every MULTI/EXEC block touches
 the keys of one hash slot and runs on the server of that slot (`on_slot`); registry
 updates (other slots) are separate single-key commands ordered so that a crash
 between them loses nothing (docs/diagrams/cluster.md gives the argument).

@@ -14,8 +14,17 @@ from .._layout.state import LIVE, JobState
 from .._redis.connections import Client as Client
 from .._redis.replies import text
 from .commands import _optimistic, read
-from .end import _end_job, _waiters
-from .writes import CANCELLED, LOOK, _still_queued, _trim_jobs, done_record, envelope_of, event
+from .writes import (
+    CANCELLED,
+    LOOK,
+    _end_job,
+    _still_queued,
+    _trim_jobs,
+    _waiters,
+    done_record,
+    envelope_of,
+    event,
+)
 
 
 @redis_boundary

@@ -5,7 +5,7 @@ A waiting job is in no list: its envelope stays in its record (state ``waiting``
 and its id in ``after:<id>`` of each dependency whose life goes on, whose record says
 ``waited``. The end of such a life moves the members of its ``after`` set to
 ``released`` in the end's own transaction and publishes ``released:``
-(`_ops._end_job`); a worker of the queue then runs `release`. A release judges each
+(`_ops.writes._end_job`); a worker of the queue then runs `release`. A release judges each
 job from the records alone, so a job handed to it early, twice, or by a stale entry
 is judged right all the same.
 """
@@ -45,18 +45,19 @@ from .commands import (
     reads,
     reads_checked,
 )
-from .end import _end_job
-from .failed import _record_job, new_life
 from .submit import Submission, check_ids, submit_writes
 from .writes import (
     DUE_EVENT,
     RELEASED_EVENT,
+    _end_job,
+    _record_job,
     _trim_jobs,
     announce,
     done_record,
     envelope_of,
     event,
     live_score,
+    new_life,
 )
 
 

@@ -34,14 +34,12 @@ from .commands import (
     _require,
     _unknown_outcome,
     _unless_wrong,
-    call,
     read,
     reads,
 )
 from .writes import (
     LOOK,
-    RELEASED_EVENT,
-    WAITED_KEEP_MS,
+    _end_job,
     _says_ended,
     _trim_jobs,
     announce,
@@ -52,6 +50,7 @@ from .writes import (
     envelope_of,
     event,
     failed_record,
+    job_end,
     local_ms,
     stored,
     trim_jobs,
@@ -204,92 +203,6 @@ async def _end_process(
 
     task, _ = await _optimistic(r, watch, body)
     return task
-
-
-def _end_job(
-    pipe: Pipeline,
-    keys: Keys,
-    queue: str,
-    header: Header,
-    now_ms: int,
-    *,
-    result: str | None = None,
-    error: str | None = None,
-    attempts: int | None = None,
-    waiters: Sequence[str] | None = None,
-) -> None:
-    """Queue the writes of `job_end` on ``pipe``, its index entry with them."""
-    writes, (score, job_id) = job_end(
-        keys, queue, header, now_ms, result=result, error=error, attempts=attempts, waiters=waiters
-    )
-    for command in writes:
-        pipe.execute_command(*command)
-    pipe.execute_command("ZADD", keys.jobs(queue), score, job_id)
-
-
-def job_end(
-    keys: Keys,
-    queue: str,
-    header: Header,
-    now_ms: int,
-    *,
-    result: str | None = None,
-    error: str | None = None,
-    attempts: int | None = None,
-    waiters: Sequence[str] | None = None,
-) -> tuple[list[Command], tuple[int, str]]:
-    """The writes that record a job's outcome (done, or failed with ``error``) and let
-    it expire after its result TTL, and its entry in the job index (score, id: the
-    caller adds it, several ends' in one ZADD). A job that others wait for (see
-    `waited`) hands ``waiters`` (the members of its ``after`` set, read under WATCH)
-    to the next release, and keeps its outcome for them at least `WAITED_KEEP_MS`;
-    the caller made sure that ``released`` and ``after:<id>`` are sets or absent
-    (`waited_keys`).
-
-      HSET j:<id> state done|failed attempts <n> finished <now> [result <r>] [error <e>]
-      HDEL j:<id> env due after
-      PEXPIRE j:<id> <ttl>
-      (waited) SADD released <waiter>...;  DEL after:<id>;  PUBLISH events released:
-      and the entry: ZADD jobs <now + ttl> <id>
-    (and, once per transaction, `_trim_jobs`)
-    """
-    record = keys.job(queue, header.id)
-    fields: list[str | int] = [
-        "state",
-        JobState.DONE.value if error is None else JobState.FAILED.value,
-        "attempts",
-        header.attempt if attempts is None else attempts,
-        "finished",
-        now_ms,
-    ]
-    if result is not None:
-        fields += ["result", result]
-    if error is not None:
-        fields += ["error", error]
-    waited = waiters is not None
-    ttl = max(header.result_ttl_ms, WAITED_KEEP_MS) if waited else header.result_ttl_ms
-    writes: list[Command] = [
-        ("HSET", record, *fields),
-        ("HDEL", record, "env", "due", "after"),
-        ("PEXPIRE", record, ttl),
-    ]
-    if waiters is not None:
-        writes.append(("DEL", keys.after(queue, header.id)))
-        if waiters:
-            writes.append(("SADD", keys.released(queue), *waiters))
-            writes.append(("PUBLISH", keys.events(queue), event(RELEASED_EVENT)))
-    return writes, (now_ms + ttl, header.id)
-
-
-async def _waiters(pipe: Pipeline, keys: Keys, queue: str, job_id: str) -> list[str]:
-    """In a WATCHed pipeline, for the end of a waited job that did not read them with
-    its fence: check the types of the keys the end writes, watch its ``after`` set and
-    return its members."""
-    for key, kind in waited_keys(keys, queue, job_id):
-        await _require(pipe, key, kind)
-    after = keys.after(queue, job_id)
-    await pipe.watch(after)
-    return members(await call(pipe, "SMEMBERS", after))
 
 
 @redis_boundary

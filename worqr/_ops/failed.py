@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 
 from redis.asyncio.client import Pipeline
 
@@ -19,7 +18,7 @@ from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.replies import text
 from .commands import _optimistic, _require, read, reads
-from .writes import _push_levels, envelope_of, live_score, stored
+from .writes import _push_levels, _record_job, envelope_of, live_score, new_life, stored
 
 
 @redis_boundary
@@ -159,51 +158,6 @@ def _new_life(task: FailedTask) -> Envelope | None:
         return None
     header = found.header.first_attempt()
     return Envelope(header, found.payload, wrap(header, found.payload))
-
-
-def new_life() -> str:
-    """A token that tells the lives of one job id apart (``life`` in `Keys.job`). One
-    per transaction that starts lives is enough: none starts two lives of one id."""
-    return secrets.token_hex(8)
-
-
-def _record_job(
-    pipe: Pipeline,
-    keys: Keys,
-    queue: str,
-    env: Envelope,
-    state: str,
-    due: int | None = None,
-    *,
-    life: str,
-) -> None:
-    """Queue the writes of a job's record at the start of a life (submit, retry of a
-    failed job): a fresh hash, live in the index.
-
-      DEL j:<id>;  HSET j:<id> env <envelope> state <state> attempts 0 max <m>
-      enqueued <e> life <life> [due <due>];  ZADD jobs +inf <id>
-    """
-    header = env.header
-    record = keys.job(queue, header.id)
-    fields: list[str | int] = [
-        "env",
-        env.raw,
-        "state",
-        state,
-        "attempts",
-        header.attempt - 1,
-        "max",
-        header.max_attempts,
-        "enqueued",
-        header.enqueued_at,
-        "life",
-        life,
-    ]
-    if due is not None:
-        fields += ["due", due]
-    pipe.execute_command("DEL", record)
-    pipe.execute_command("HSET", record, *fields)
-    pipe.execute_command("ZADD", keys.jobs(queue), "+inf", header.id)
 
 
 @redis_boundary

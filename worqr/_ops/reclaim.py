@@ -18,10 +18,10 @@ from .._layout.names import split_process_id
 from .._redis.connections import Client as Client
 from .._redis.replies import members, text
 from .commands import _beside, _corrupt, _optimistic, _require, read
-from .end import _end_job
 from .writes import (
     LOOK,
     _count,
+    _end_job,
     _job_id,
     _says_ended,
     _token,

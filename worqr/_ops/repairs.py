@@ -15,8 +15,18 @@ from .._layout.state import IN_QUEUE
 from .._redis.connections import Client as Client
 from .._redis.replies import members, text
 from .commands import Command, _beside, _corrupt, _optimistic, _require, call, read
-from .end import _end_job, _waiters
-from .writes import LOOK, _life_ended, announce, done_record, envelope_of, event, live_score, stored
+from .writes import (
+    LOOK,
+    _end_job,
+    _life_ended,
+    _waiters,
+    announce,
+    done_record,
+    envelope_of,
+    event,
+    live_score,
+    stored,
+)
 
 
 @redis_boundary

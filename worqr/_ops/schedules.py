@@ -20,8 +20,7 @@ from .._layout.state import JobState
 from .._redis.connections import Client
 from .._redis.replies import fields_of, members, server_ms, text
 from .commands import Command, _beside, _corrupt, _optimistic, _raise_wrong, call, read, reads
-from .failed import _record_job, new_life
-from .writes import announce, event, live_score
+from .writes import _record_job, announce, event, live_score, new_life
 
 SCHEDULE_EVENT = "schedule"
 """The event (``schedule:<name>``) telling a queue's workers that one of its
@@ -32,7 +31,7 @@ schedules was stored or dropped: they read it again."""
 async def claim(r: Client, keys: Keys, name: str, queue: str | None) -> str | None:
     """Point the registry entry of a schedule at ``queue`` (None: remove it); return
     the queue it named before. The registry decides which queue's copy of a schedule
-    is its own: a copy elsewhere is an orphan, which `fire` removes instead of firing.
+    is its own: a copy elsewhere is an orphan, which `fire_due` removes instead of firing.
 
       1. WATCH <prefix>:schedules;  HGET <prefix>:schedules <name>     -> before
       2. MULTI;  HSET <prefix>:schedules <name> <queue> (or HDEL);  EXEC  -> nil: back to 1

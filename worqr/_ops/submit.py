@@ -32,8 +32,7 @@ from .commands import (
     _wait,
     reads,
 )
-from .failed import _record_job, new_life
-from .writes import DUE_EVENT, announce, event, live_score
+from .writes import DUE_EVENT, _record_job, announce, event, live_score, new_life
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,16 +13,16 @@ from typing import Any
 from redis.asyncio.client import Pipeline
 
 from .._errors import InvalidProcessIdError, is_wrong_type, redis_boundary
-from .._layout.envelope import Envelope, unwrap
+from .._layout.envelope import Envelope, Header, unwrap
 from .._layout.keys import Keys
 from .._layout.levels import LEVELS
 from .._layout.models import Process, readable
 from .._layout.names import parse_process_id
-from .._layout.state import ENDED
+from .._layout.state import ENDED, JobState
 from .._redis.connections import Client as Client
 from .._redis.replies import members, text
 from .._redis.wire import Wire
-from .commands import Command, call, read, reads_checked
+from .commands import Command, _require, call, read, reads_checked
 
 
 def stored(task: str) -> str | bytes:
@@ -374,3 +375,134 @@ async def _life_ended(pipe: Pipeline, keys: Keys, queue: str, task: str) -> bool
     record = keys.job(queue, envelope.header.id)
     await pipe.watch(record)
     return _says_ended(await read(pipe, "HMGET", record, "state", "env"), envelope.raw)
+
+
+def _end_job(
+    pipe: Pipeline,
+    keys: Keys,
+    queue: str,
+    header: Header,
+    now_ms: int,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+    waiters: Sequence[str] | None = None,
+) -> None:
+    """Queue the writes of `job_end` on ``pipe``, its index entry with them."""
+    writes, (score, job_id) = job_end(
+        keys, queue, header, now_ms, result=result, error=error, attempts=attempts, waiters=waiters
+    )
+    for command in writes:
+        pipe.execute_command(*command)
+    pipe.execute_command("ZADD", keys.jobs(queue), score, job_id)
+
+
+def job_end(
+    keys: Keys,
+    queue: str,
+    header: Header,
+    now_ms: int,
+    *,
+    result: str | None = None,
+    error: str | None = None,
+    attempts: int | None = None,
+    waiters: Sequence[str] | None = None,
+) -> tuple[list[Command], tuple[int, str]]:
+    """The writes that record a job's outcome (done, or failed with ``error``) and let
+    it expire after its result TTL, and its entry in the job index (score, id: the
+    caller adds it, several ends' in one ZADD). A job that others wait for (see
+    `waited`) hands ``waiters`` (the members of its ``after`` set, read under WATCH)
+    to the next release, and keeps its outcome for them at least `WAITED_KEEP_MS`;
+    the caller made sure that ``released`` and ``after:<id>`` are sets or absent
+    (`waited_keys`).
+
+      HSET j:<id> state done|failed attempts <n> finished <now> [result <r>] [error <e>]
+      HDEL j:<id> env due after
+      PEXPIRE j:<id> <ttl>
+      (waited) SADD released <waiter>...;  DEL after:<id>;  PUBLISH events released:
+      and the entry: ZADD jobs <now + ttl> <id>
+    (and, once per transaction, `_trim_jobs`)
+    """
+    record = keys.job(queue, header.id)
+    fields: list[str | int] = [
+        "state",
+        JobState.DONE.value if error is None else JobState.FAILED.value,
+        "attempts",
+        header.attempt if attempts is None else attempts,
+        "finished",
+        now_ms,
+    ]
+    if result is not None:
+        fields += ["result", result]
+    if error is not None:
+        fields += ["error", error]
+    waited = waiters is not None
+    ttl = max(header.result_ttl_ms, WAITED_KEEP_MS) if waited else header.result_ttl_ms
+    writes: list[Command] = [
+        ("HSET", record, *fields),
+        ("HDEL", record, "env", "due", "after"),
+        ("PEXPIRE", record, ttl),
+    ]
+    if waiters is not None:
+        writes.append(("DEL", keys.after(queue, header.id)))
+        if waiters:
+            writes.append(("SADD", keys.released(queue), *waiters))
+            writes.append(("PUBLISH", keys.events(queue), event(RELEASED_EVENT)))
+    return writes, (now_ms + ttl, header.id)
+
+
+async def _waiters(pipe: Pipeline, keys: Keys, queue: str, job_id: str) -> list[str]:
+    """In a WATCHed pipeline, for the end of a waited job that did not read them with
+    its fence: check the types of the keys the end writes, watch its ``after`` set and
+    return its members."""
+    for key, kind in waited_keys(keys, queue, job_id):
+        await _require(pipe, key, kind)
+    after = keys.after(queue, job_id)
+    await pipe.watch(after)
+    return members(await call(pipe, "SMEMBERS", after))
+
+
+def new_life() -> str:
+    """A token that tells the lives of one job id apart (``life`` in `Keys.job`). One
+    per transaction that starts lives is enough: none starts two lives of one id."""
+    return secrets.token_hex(8)
+
+
+def _record_job(
+    pipe: Pipeline,
+    keys: Keys,
+    queue: str,
+    env: Envelope,
+    state: str,
+    due: int | None = None,
+    *,
+    life: str,
+) -> None:
+    """Queue the writes of a job's record at the start of a life (submit, retry of a
+    failed job): a fresh hash, live in the index.
+
+      DEL j:<id>;  HSET j:<id> env <envelope> state <state> attempts 0 max <m>
+      enqueued <e> life <life> [due <due>];  ZADD jobs +inf <id>
+    """
+    header = env.header
+    record = keys.job(queue, header.id)
+    fields: list[str | int] = [
+        "env",
+        env.raw,
+        "state",
+        state,
+        "attempts",
+        header.attempt - 1,
+        "max",
+        header.max_attempts,
+        "enqueued",
+        header.enqueued_at,
+        "life",
+        life,
+    ]
+    if due is not None:
+        fields += ["due", due]
+    pipe.execute_command("DEL", record)
+    pipe.execute_command("HSET", record, *fields)
+    pipe.execute_command("ZADD", keys.jobs(queue), "+inf", header.id)

@@ -3,7 +3,7 @@ works on, and at each tick tries `_ops.schedules.fire_due` for all of a queue's 
 schedules at once.
 
 No peer owns a schedule: each worker of its queue wakes at the tick, and the watched
-transaction of `fire` lets exactly one of them submit it (the others find the tick
+transaction of `fire_due` lets exactly one of them submit it (the others find the tick
 handled), so a killed, stalled or partitioned worker delays nothing while another one
 lives. Workers learn of schedules when they start work on a queue, from the
 ``schedule:<name>`` event each store or drop publishes and, in case one was missed,

@@ -1,6 +1,6 @@
 """How worqr reaches Redis: one server (or a Sentinel-managed master) or a Cluster.
 (Over 800 lines: the client kinds, the Cluster's routing and its admission share
-private state; it splits with the package's move to layers, `_redis/`.)
+private state that a split into modules would have to expose.)
 
 Every transaction touches one hash slot (see `_layout.keys`). On one server it runs on the
 client itself; on a Cluster it runs on a plain client of the primary that serves the
