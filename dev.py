@@ -175,8 +175,8 @@ def bench_http(args: list[str]) -> int:
 
 def thorough(args: list[str]) -> int:
     """Run the property tests with five times as many examples as the suite runs."""
-    argv = [str(PYTHON), "-m", "pytest", "tests/test_properties.py", *args]
-    print("==> WORQR_THOROUGH=1 python -m pytest tests/test_properties.py", flush=True)
+    argv = [str(PYTHON), "-m", "pytest", "tests/_layout/test_properties.py", *args]
+    print("==> WORQR_THOROUGH=1 python -m pytest tests/_layout/test_properties.py", flush=True)
     env = {**os.environ, "WORQR_THOROUGH": "1"}
     return subprocess.run(argv, cwd=ROOT, env=env, check=False).returncode
 

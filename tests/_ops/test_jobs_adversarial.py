@@ -33,6 +33,7 @@ import worqr._peer.results
 import worqr._redis.wire
 from worqr import (
     BackendError,
+    BackendUnavailableError,
     Backoff,
     CorruptDataError,
     DuplicateTaskError,
@@ -1231,9 +1232,14 @@ async def test_killed_connections_during_retries_keep_attempts_exact(
 
 
 async def _all_ended(jobs: list[Job]) -> bool:
-    for job in jobs:
-        if await job.status() not in (JobStatus.DONE, JobStatus.FAILED):
-            return False
+    """Whether every job ended; not yet if the look itself lost its connection (the
+    tests that call it kill connections, the observer's among them)."""
+    try:
+        for job in jobs:
+            if await job.status() not in (JobStatus.DONE, JobStatus.FAILED):
+                return False
+    except BackendUnavailableError:
+        return False
     return True
 
 

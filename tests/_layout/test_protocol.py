@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from worqr import DuplicateTaskError, JobFailedError, Process, ProtocolVersionError, Worqr
 from worqr.testing import EmbeddedServer
 
-from .helpers import FAST, eventually, raw_keys, works_on
+from ..helpers import FAST, eventually, raw_keys, works_on
 
 
 def _cli_binary() -> str:

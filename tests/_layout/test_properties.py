@@ -53,7 +53,7 @@ from worqr import (
 )
 from worqr._layout.names import parse_process_id
 
-from .helpers import eventually, raw_keys
+from ..helpers import eventually, raw_keys
 
 T = TypeVar("T")
 
