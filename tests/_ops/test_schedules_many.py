@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
@@ -56,6 +57,7 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
             await client.aclose()
 
 
+@pytest.mark.timeout(180)  # _every_tick_once waits up to 120 s for a busy machine's rounds
 async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
     redis_url: str, proxy: LatencyProxy
 ) -> None:
@@ -65,6 +67,7 @@ async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
     await _every_tick_once(proxy.url, schedules=80, every=1.0, rounds=6)
 
 
+@pytest.mark.timeout(180)  # _every_tick_once waits up to 120 s for a busy machine's rounds
 async def test_no_tick_of_many_schedules_is_lost_on_loopback(redis_url: str) -> None:
     """200 schedules of 0.2 s on loopback: a pass costs more than the period."""
     await _every_tick_once(redis_url, schedules=200, every=0.2, rounds=15)
