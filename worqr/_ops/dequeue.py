@@ -23,7 +23,7 @@ from .._layout.models import Process
 from .._layout.names import new_process_id, split_process_id
 from .._redis.connections import Client as Client
 from .._redis.connections import NotApplied, on_slot
-from .._redis.replies import _ms, _pairs, server_ms, text
+from .._redis.replies import paired, score_ms, server_ms, text
 from .commands import (
     _MAX_ATTEMPTS,
     Command,
@@ -305,8 +305,8 @@ async def _dequeue_limited(
         room = flow.limit - int(used)
         if room <= 0:
             await pipe.reset()
-            first = _pairs(oldest)
-            leaves = (_ms(first[0][1]) or now) + flow.per_ms if first else now + 1
+            first = paired(oldest)
+            leaves = (score_ms(first[0][1]) or now) + flow.per_ms if first else now + 1
             raise Throttled(max(leaves - now, 1) / 1000)
         levels = picker.plan(_lengths(replies[2:]), min(count, room), policy)
         if not levels:

@@ -19,7 +19,7 @@ from .._layout.keys import Keys
 from .._layout.state import JobState
 from .._redis.connections import Client as Client
 from .._redis.connections import on_slot
-from .._redis.replies import _first_due, _ms, _pairs, _reached, server_ms, text
+from .._redis.replies import first_due, paired, reached, score_ms, server_ms, text
 from .._redis.wire import Watching, Wire, watching
 from .commands import (
     _MAX_ATTEMPTS,
@@ -112,15 +112,15 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
         """Step 1: the server's time, the entries up to ``horizon``, the one after."""
         clock, head, after = _unless_wrong(await session.look([], looks(horizon)))
         _raise_wrong([("ZRANGE", delayed)], [head])
-        return server_ms(clock), _pairs(head), _pairs(after)
+        return server_ms(clock), paired(head), paired(after)
 
     async def attempt(session: Watching) -> Promotion | None:
         now, head, after = await first_look(session, guess_ms + _LOOK_AHEAD_MS)
-        if len(head) < _PROMOTE_BATCH and any(_reached(score, now) for _, score in after):
+        if len(head) < _PROMOTE_BATCH and any(reached(score, now) for _, score in after):
             now, head, after = await first_look(session, now)  # the guess is behind
-        due = [text(member) for member, score in head if _reached(score, now)]
-        waiting = [_ms(score) for _, score in head if not _reached(score, now)]
-        waiting += [_ms(score) for _, score in after]
+        due = [text(member) for member, score in head if reached(score, now)]
+        waiting = [score_ms(score) for _, score in head if not reached(score, now)]
+        waiting += [score_ms(score) for _, score in after]
         next_due = min((ms for ms in waiting if ms is not None), default=None)
         if len(due) == _PROMOTE_BATCH:
             next_due = now  # more may be due: the caller promotes again at once
@@ -140,7 +140,7 @@ async def promote(r: Client, keys: Keys, queue: str, guess_ms: int) -> Promotion
         for level, found in zip(kinds, replies[1:], strict=True):
             if text(found) not in ("list", "none"):
                 raise _corrupt(keys.level(queue, level), text(found))
-        still = [_reached(score, now) for score in replies[0]]
+        still = [reached(score, now) for score in replies[0]]
         if not any(still):
             return Promotion(0, next_due, now)
         moved = [i for i, kept in enumerate(still) if kept]
@@ -185,7 +185,7 @@ async def next_due(r: Client, keys: Keys, queues: Sequence[str]) -> list[int | N
     1. ZRANGE delayed 0 0 WITHSCORES             (per queue, one round trip)
     """
     replies = await reads(r, [("ZRANGE", keys.delayed(q), 0, 0, "WITHSCORES") for q in queues])
-    return [_first_due(reply) for reply in replies]
+    return [first_due(reply) for reply in replies]
 
 
 @redis_boundary
@@ -195,5 +195,5 @@ async def delayed_jobs(r: Client, keys: Keys, queue: str, limit: int) -> list[tu
     1. ZRANGE delayed 0 <limit - 1> WITHSCORES
     """
     reply = await read(r, "ZRANGE", keys.delayed(queue), 0, limit - 1, "WITHSCORES")
-    found = [(_ms(score), text(member)) for member, score in _pairs(reply)]
+    found = [(score_ms(score), text(member)) for member, score in paired(reply)]
     return [(due, member) for due, member in found if due is not None]

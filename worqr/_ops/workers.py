@@ -14,7 +14,7 @@ from .._errors import CorruptDataError, InvalidProcessIdError, is_wrong_type, re
 from .._layout.keys import Keys
 from .._layout.names import ProcessRef, parse_process_id
 from .._redis.connections import Client as Client
-from .._redis.replies import _first_due, members, text
+from .._redis.replies import first_due, members, text
 from .commands import Command, _in_order, _raise_wrong, call, reads, wrong_keys
 from .reclaim import Alive, Reclaimed, reclaim
 
@@ -410,7 +410,7 @@ async def touch_worker(
             QueueLook(
                 high + normal + low,
                 None if is_wrong_type(held) else members(held),
-                _first_due(due),
+                first_due(due),
                 bool(high or low),
                 0 if is_wrong_type(released) else int(released),
             )

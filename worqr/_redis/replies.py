@@ -24,7 +24,7 @@ def members(reply: Any) -> list[str]:
     return sorted(text(m) for m in reply)
 
 
-def _reached(score: Any, now: int) -> bool:
+def reached(score: Any, now: int) -> bool:
     """Whether a delayed entry's score (None: gone) is ``now`` or earlier. A score
     below any time (``-inf``: nothing worqr writes) counts as reached: the entry moves
     as any due one does, rather than hold the head of the set, and every promotion
@@ -43,29 +43,29 @@ def server_ms(reply: Any) -> int:
 
 def fields_of(reply: Any) -> dict[str, str]:
     """An ``HGETALL`` reply as a dict of str, whether the client paired it."""
-    pairs = reply.items() if isinstance(reply, dict) else _pairs(reply)
+    pairs = reply.items() if isinstance(reply, dict) else paired(reply)
     return {text(k): text(v) for k, v in pairs}
 
 
-def _pairs(reply: Any) -> list[tuple[Any, Any]]:
+def paired(reply: Any) -> list[tuple[Any, Any]]:
     """A WITHSCORES reply as (member, score) pairs, whether the client paired them."""
     if reply and not isinstance(reply[0], list | tuple):
         return list(zip(reply[::2], reply[1::2], strict=True))
     return [(member, score) for member, score in reply]
 
 
-def _first_due(reply: Any) -> int | None:
+def first_due(reply: Any) -> int | None:
     """The score of a ``ZRANGE delayed 0 0 WITHSCORES`` reply, None for none (or for
-    one that is no time: never due); 0 for ``-inf``, which a promotion moves (`_reached`)."""
-    pairs = [] if is_wrong_type(reply) else _pairs(reply)
+    one that is no time: never due); 0 for ``-inf``, which a promotion moves (`reached`)."""
+    pairs = [] if is_wrong_type(reply) else paired(reply)
     if not pairs:
         return None
     score = pairs[0][1]
-    ms = _ms(score)
-    return 0 if ms is None and _reached(score, 0) else ms
+    ms = score_ms(score)
+    return 0 if ms is None and reached(score, 0) else ms
 
 
-def _ms(score: Any) -> int | None:
+def score_ms(score: Any) -> int | None:
     """A score as Unix ms; None for one that is not a finite number in range."""
     try:
         value = float(text(score) if isinstance(score, bytes | str) else score)
