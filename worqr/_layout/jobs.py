@@ -9,6 +9,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .._errors import WorqrError
 from .envelope import MAX_SECONDS, MAX_UNIX_MS, Envelope, Header, new_job_id, wrap
@@ -97,17 +98,23 @@ class JobStatus(str, enum.Enum):
     FAILED = JobState.FAILED.value
     UNKNOWN = "unknown"
     """Never seen, deleted, or its outcome expired (``result_ttl``)."""
-    # The same members under their wire names (``JobStatus.done is JobStatus.DONE``).
-    waiting = WAITING
-    queued = QUEUED
-    delayed = DELAYED
-    running = RUNNING
-    done = DONE
-    failed = FAILED
-    unknown = UNKNOWN
+    # The same members under their wire names (``JobStatus.done is JobStatus.DONE``),
+    # set below the class: names, not members, so a type checker sees each status once.
+    waiting: ClassVar[JobStatus]
+    queued: ClassVar[JobStatus]
+    delayed: ClassVar[JobStatus]
+    running: ClassVar[JobStatus]
+    done: ClassVar[JobStatus]
+    failed: ClassVar[JobStatus]
+    unknown: ClassVar[JobStatus]
 
     def __str__(self) -> str:
-        return self.value
+        return str.__str__(self)
+
+
+for _status in JobStatus:
+    setattr(JobStatus, _status.name.lower(), _status)
+del _status
 
 
 @dataclass(frozen=True, slots=True)
