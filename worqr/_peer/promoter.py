@@ -23,26 +23,22 @@ from .._log import PeerLog
 from .._redis.clock import ServerClock
 from .._redis.connections import Client
 from .._redis.reach import Reach
+from .timer import MAX_WAIT, RETRY_AFTER_MS, Timer
 
-_RETRY_AFTER_MS = 1000  # a failed promotion is tried again this much later
 _MAX_DIGITS = 15  # of a due time in Unix ms (the year 5138 has 15)
-_MAX_WAIT = 1.0  # seconds a timer sleeps before it looks at the clock estimate again
 
 
-class Promoter:
+class Promoter(Timer):
     """Timers of one worker for the delayed sets of the queues it works on."""
+
+    failure = "promoting delayed jobs failed"
 
     def __init__(
         self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog, reach: Reach
     ) -> None:
-        self._client = client
-        self._keys = keys
+        super().__init__(client, keys, log, reach)
         self._clock = clock
-        self._log = log
-        self._reach = reach
-        self._queues: set[str] = set()  # the queues promoted for
         self._due: dict[str, int] = {}  # queue -> earliest known due time (server ms)
-        self._wake = anyio.Event()
 
     def watch(self, queue: str, due_ms: int | None) -> None:
         """Promote for ``queue`` from now on; ``due_ms`` as in `note`."""
@@ -76,20 +72,11 @@ class Promoter:
 
     def forget(self, queue: str) -> None:
         """Stop promoting for a queue this worker no longer works on."""
-        self._queues.discard(queue)
+        super().forget(queue)
         self._due.pop(queue, None)
 
-    async def run(self) -> None:
-        """Promote each queue when its earliest due time comes, for good: an
-        unexpected error is logged and the loop goes on (a peer must not lose its
-        event subscriber and heartbeat to one bad delayed entry)."""
-        while True:
-            try:
-                await self._round()
-            except Exception:
-                self._log.exception("promoting delayed jobs failed; going on")
-                self._due.clear()  # each queue's self-check gives its due time back
-                await anyio.sleep(_RETRY_AFTER_MS / 1000)
+    def _after_failure(self) -> None:
+        self._due.clear()  # each queue's self-check gives its due time back
 
     async def _round(self) -> None:
         """Promote what is due, then wait for the next due time or a new one."""
@@ -106,7 +93,7 @@ class Promoter:
         # one the server has not reached yet comes back from `_promote` as the time
         # the estimate will reach it, so this never spins.
         wait = math.inf if earliest is None else max(0.0, (earliest - now) / 1000)
-        wait = min(wait, _MAX_WAIT)
+        wait = min(wait, MAX_WAIT)
         with anyio.move_on_after(wait):
             await self._wake.wait()
 
@@ -118,7 +105,7 @@ class Promoter:
         except BackendError as exc:
             if not isinstance(exc, CorruptDataError):
                 self._reach.failed("promoting delayed jobs failed", exc, queue=queue)
-            self.note(queue, self._clock.estimate_ms() + _RETRY_AFTER_MS)
+            self.note(queue, self._clock.estimate_ms() + RETRY_AFTER_MS)
             return
         self._reach.answered()
         if done.next_due_ms is not None:

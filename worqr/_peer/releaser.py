@@ -18,19 +18,17 @@ from .._layout.keys import Keys
 from .._log import PeerLog
 from .._redis.connections import Client
 from .._redis.reach import Reach
+from .timer import Timer
 
 
-class Releaser:
+class Releaser(Timer):
     """The releases of one worker, for the queues it works on."""
 
+    failure = "releasing waiting jobs failed"
+
     def __init__(self, client: Client, keys: Keys, log: PeerLog, reach: Reach) -> None:
-        self._client = client
-        self._keys = keys
-        self._log = log
-        self._reach = reach
-        self._queues: set[str] = set()
+        super().__init__(client, keys, log, reach)
         self._pending: set[str] = set()  # queues whose released set may hold jobs
-        self._wake = anyio.Event()
 
     def watch(self, queue: str) -> None:
         """Release for ``queue`` from now on, starting with a look at once."""
@@ -50,23 +48,25 @@ class Releaser:
 
     def forget(self, queue: str) -> None:
         """Stop releasing for a queue this worker no longer works on."""
-        self._queues.discard(queue)
+        super().forget(queue)
         self._pending.discard(queue)
 
-    async def run(self) -> None:
-        """Release each noted queue, for good. A release that fails is logged and not
+    def _after_failure(self) -> None:
+        self._pending.update(self._queues)  # look at every queue again
+
+    async def _round(self) -> None:
+        """Release each noted queue once woken. A release that fails is logged and not
         tried again until the queue is noted anew (by an event or the self-check, so
         at most once per self-check for a fault that stays)."""
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            while self._pending:
-                queue = self._pending.pop()
-                try:
-                    await _ops.deps.release(self._client, self._keys, queue)
-                except BackendError as exc:
-                    self._reach.failed("releasing waiting jobs failed", exc, queue=queue)
-                except Exception:
-                    self._log.exception("releasing waiting jobs failed", extra={"queue": queue})
-                else:
-                    self._reach.answered()
+        await self._wake.wait()
+        self._wake = anyio.Event()
+        while self._pending:
+            queue = self._pending.pop()
+            try:
+                await _ops.deps.release(self._client, self._keys, queue)
+            except BackendError as exc:
+                self._reach.failed(self.failure, exc, queue=queue)
+            except Exception:
+                self._log.exception(self.failure, extra={"queue": queue})
+            else:
+                self._reach.answered()

@@ -23,29 +23,25 @@ from .._log import PeerLog
 from .._redis.clock import ServerClock
 from .._redis.connections import Client
 from .._redis.reach import Reach
+from .timer import MAX_WAIT, RETRY_AFTER_MS, Timer
 
 _RELOAD = 10.0  # seconds between reads of a queue's schedules (missed events)
-_RETRY_AFTER_MS = 1000  # a failed look is tried again this much later
 _MIN_WAIT = 0.001
-_MAX_WAIT = 1.0  # seconds a timer sleeps before it looks at the clock estimate again
 
 
-class Scheduler:
+class Scheduler(Timer):
     """Timers of one worker for the schedules of the queues it works on."""
+
+    failure = "driving schedules failed"
 
     def __init__(
         self, client: Client, keys: Keys, clock: ServerClock, log: PeerLog, reach: Reach
     ) -> None:
-        self._client = client
-        self._keys = keys
+        super().__init__(client, keys, log, reach)
         self._clock = clock
-        self._log = log
-        self._reach = reach
-        self._queues: set[str] = set()
         self._stale: set[str] = set()  # queues whose schedules are to be read again
         self._due: dict[tuple[str, str], int] = {}  # (queue, name) -> next tick (server ms)
         self._loaded: dict[str, float] = {}  # queue -> monotonic time of its last read
-        self._wake = anyio.Event()
         self._late: dict[str, tuple[int, int, float]] = {}  # queue -> (ticks, most ms, since)
 
     def watch(self, queue: str) -> None:
@@ -55,7 +51,7 @@ class Scheduler:
 
     def forget(self, queue: str) -> None:
         """Stop driving the schedules of a queue this worker no longer works on."""
-        self._queues.discard(queue)
+        super().forget(queue)
         self._stale.discard(queue)
         self._loaded.pop(queue, None)
         for key in [key for key in self._due if key[0] == queue]:
@@ -70,16 +66,8 @@ class Scheduler:
         self._stale.add(queue)
         self._wake.set()
 
-    async def run(self) -> None:
-        """Fire what is due, for good: an unexpected error is logged and the loop goes
-        on (a peer must not lose its other duties to one bad schedule)."""
-        while True:
-            try:
-                await self._round()
-            except Exception:
-                self._log.exception("driving schedules failed; going on")
-                self._stale.update(self._queues)
-                await anyio.sleep(_RETRY_AFTER_MS / 1000)
+    def _after_failure(self) -> None:
+        self._stale.update(self._queues)  # read every queue's schedules again
 
     async def _round(self) -> None:
         self._wake = anyio.Event()  # set by what comes from now on (a watch, an event)
@@ -102,8 +90,8 @@ class Scheduler:
             return
         now = self._clock.estimate_ms()
         earliest = min(self._due.values(), default=None)
-        wait = _MAX_WAIT if earliest is None else max(_MIN_WAIT, (earliest - now) / 1000)
-        with anyio.move_on_after(min(wait, _MAX_WAIT)):
+        wait = MAX_WAIT if earliest is None else max(_MIN_WAIT, (earliest - now) / 1000)
+        with anyio.move_on_after(min(wait, MAX_WAIT)):
             await self._wake.wait()
 
     async def _load(self, queue: str) -> None:
@@ -135,7 +123,7 @@ class Scheduler:
         except Exception as exc:  # the queue's trouble must not stop the other queues
             if not isinstance(exc, CorruptDataError):
                 self._reach.failed("firing schedules failed", exc, queue=queue)
-            retry = self._clock.estimate_ms() + _RETRY_AFTER_MS
+            retry = self._clock.estimate_ms() + RETRY_AFTER_MS
             for name in names:
                 self._due[(queue, name)] = retry
             return
