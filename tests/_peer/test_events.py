@@ -54,7 +54,9 @@ async def test_off_stops_delivery(make: Factory) -> None:
     marker: list[str] = []
     await watcher.on("jobs", lambda kind, message: marker.append(message))
     await producer.enqueue("jobs", ["a", "b", "c"])
-    await eventually(lambda: marker == ["3"])
+    # On a Cluster a message reaches the subscriber's node over the cluster bus, so
+    # the "2" may still arrive after the new subscription: the marker only syncs.
+    await eventually(lambda: "3" in marker)
     assert seen == ["1"]
 
 
