@@ -75,10 +75,12 @@ def scored(replies: Iterable[object]) -> list[tuple[str, float]]:
 
 
 async def eventually(
-    check: Callable[[], Awaitable[object]] | Callable[[], bool], within: float = 5.0
+    check: Callable[[], Awaitable[object]] | Callable[[], bool], within: float = 20.0
 ) -> None:
     """Wait, bounded, until ``check()`` is true (polling the state, not sleeping blind);
-    an async ``check``'s result counts by its truth (a count, a found object)."""
+    an async ``check``'s result counts by its truth (a count, a found object). The
+    bound is generous: it only says when to give up on a busy machine, and a check that
+    holds returns at once."""
     with anyio.fail_after(within):
         while True:
             outcome = check()
