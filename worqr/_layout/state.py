@@ -20,9 +20,6 @@ class JobState(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 LIVE = frozenset({JobState.WAITING.value, JobState.QUEUED.value, JobState.DELAYED.value})
 """The states of a record whose life has not ended."""
