@@ -6,6 +6,7 @@ import contextlib
 import functools
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypedDict
 
@@ -88,6 +89,25 @@ async def eventually(
             if reached:
                 return
             await anyio.sleep(0.01)
+
+
+async def progressing(
+    count: Callable[[], int], goal: int, *, stall: float = 30.0, within: float = 600.0
+) -> None:
+    """Wait until ``count()`` reaches ``goal``, for as long as it keeps growing: give up
+    (TimeoutError) only once it has not grown for ``stall`` seconds, or after ``within``
+    in all. A busy machine slows a fleet down without stopping it; a lost task stops
+    the count for good."""
+    started = last_change = time.monotonic()
+    seen = count()
+    while seen < goal:
+        now = time.monotonic()
+        if now - last_change > stall or now - started > within:
+            raise TimeoutError(f"stuck at {seen} of {goal}")
+        await anyio.sleep(0.05)
+        current = count()
+        if current != seen:
+            seen, last_change = current, time.monotonic()
 
 
 async def raw_keys(redis: Redis, prefix: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from ._errors import (
     ReplicationError,
     WorkerLiveError,
     WorkerNotStartedError,
+    WorqrError,
     redis_boundary,
 )
 from ._job import Job, JobCalls, check_after
@@ -108,6 +109,7 @@ _REPORT_EVERY = 60.0  # seconds between two warnings about the same corrupt key
 _FINISH_BATCH = 256  # processes finished in one transaction at most
 _ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
+_HAND_BACK_LIMIT = 10.0  # seconds a take cut off spends handing its processes back
 _BLOCK_SECONDS = 1.5
 """How long one blocking take waits for a task (at most half of ``worker_timeout``):
 an idle consumer re-arms it this often (see `_ops.block`)."""
@@ -905,6 +907,7 @@ class Worqr:
                 self._controlled.add(queue)
 
         normal = normal and not self._withdrawing[queue]  # else one may be on its way back
+        taken: list[Process] = []
         try:
             taken = await _ops.dequeue.dequeue(
                 self._redis,
@@ -927,11 +930,32 @@ class Worqr:
                 return []
             for process in taken:
                 self._held[process.id] = process
-        except Paused:
+            return await self._usable(queue, taken)
+        except Paused:  # nothing was taken
             return []
+        except Throttled:  # nothing was taken either
+            raise
+        except BaseException:
+            await self._hand_back_ids(reserved, taken)
+            raise
         finally:
             self._taking.difference_update(reserved)
-        return await self._usable(queue, taken)
+
+    async def _hand_back_ids(self, reserved: list[str], taken: list[Process]) -> None:
+        """A take cut off (its caller's limit, a lost reply) may have taken processes
+        that never reach a handler: back to the front they go now, newest first, before
+        the next take of this peer (the audit would return them, but a cleanup tick
+        later, after tasks behind them had started). What this cannot reach (Redis
+        away) is the audit's; an id whose dequeue is still on its way is too."""
+        for process in taken:
+            self._held.pop(process.id, None)
+        refs = [ref for pid in reserved if (ref := self._stray_ref(pid)) is not None]
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_HAND_BACK_LIMIT):
+            try:
+                for ref in sorted(refs, key=lambda ref: ref.token, reverse=True):
+                    await _ops.stop.stop(self._once, self._keys, ref, look=True)
+            except WorqrError as exc:
+                self._reach.failed("hand-back of a take cut off failed", exc)
 
     async def _usable(self, queue: str, taken: list[Process]) -> list[Process]:
         """The processes just taken that a handler can run: the others go to the failed

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from worqr import Process, Worqr
 from worqr._ops.schedules import fire
 
-from ..helpers import RELAXED, Factory, consuming, eventually
+from ..helpers import RELAXED, Factory, consuming, progressing
 from ..proxy import LatencyProxy
 from .test_schedules import _tick_ms
 
@@ -39,9 +39,8 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
             consuming(peers[0], handler, queue="q", concurrency=20),
             consuming(peers[1], handler, queue="q", concurrency=20),
         ):
-            await eventually(
-                lambda: len(runs) == schedules and all(len(t) >= rounds for t in runs.values()),
-                within=120,
+            await progressing(
+                lambda: min(map(len, runs.values())) if len(runs) == schedules else 0, rounds
             )
         period = round(every * 1000)
         cutoff = min(max(ticks) for ticks in runs.values()) - 2 * period
@@ -57,7 +56,7 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
             await client.aclose()
 
 
-@pytest.mark.timeout(180)  # _every_tick_once waits up to 120 s for a busy machine's rounds
+@pytest.mark.timeout(660)  # _every_tick_once waits while a busy machine's rounds go on
 async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
     redis_url: str, proxy: LatencyProxy
 ) -> None:
@@ -67,7 +66,7 @@ async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
     await _every_tick_once(proxy.url, schedules=80, every=1.0, rounds=6)
 
 
-@pytest.mark.timeout(180)  # _every_tick_once waits up to 120 s for a busy machine's rounds
+@pytest.mark.timeout(660)  # _every_tick_once waits while a busy machine's rounds go on
 async def test_no_tick_of_many_schedules_is_lost_on_loopback(redis_url: str) -> None:
     """200 schedules of 0.2 s on loopback: a pass costs more than the period."""
     await _every_tick_once(redis_url, schedules=200, every=0.2, rounds=15)

@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import BackendUnavailableError, Process, Worqr, _ops
+from worqr._peer import consumer as consumer_module
 
 from ..helpers import FAST, Factory, eventually, works_on
 from ..proxy import LatencyProxy
@@ -510,3 +511,68 @@ async def test_a_worker_back_from_a_stall_starts_nothing_its_lease_may_not_cover
     assert len(runs) == 1
     assert recovered and runs[0] >= recovered[0] - 0.05  # not before its lease was renewed
     assert await producer.get_tasks("jobs") == []
+
+
+async def test_tasks_of_one_take_that_meet_a_lapsed_lease_go_back_in_order(
+    make: Factory,
+) -> None:
+    """The first handler of a take of four stalls the worker past its lease (forced by
+    hand: the last refresh set 10 s back, as by a loop blocked that long): the other
+    three must not start, and they go back to the front in their order, so that they
+    start in it once the lease is renewed."""
+    worker, producer = make(), make()
+    tasks = ["a", "b", "c", "d", "e", "f"]
+    await producer.enqueue("jobs", tasks)
+    started: list[str] = []
+
+    async def handler(process: Process) -> None:
+        started.append(process.task)
+        if started == ["a"]:
+            supervisor = worker._supervisor
+            assert supervisor is not None
+            supervisor._last_refresh -= 10
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=4))
+        await eventually(lambda: started[-1:] == ["f"])
+        tg.cancel_scope.cancel()
+    assert started[1:] == (tasks if started[1] == "a" else tasks[1:])  # "a" lost, or not
+    assert await producer.get_tasks("jobs") == []
+
+
+async def test_a_take_cut_off_by_its_limit_hands_its_tasks_back_before_the_next(
+    make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first dequeue is applied in Redis but its caller gives up on it (a reply
+    slower than the consumer's take limit): its two tasks go back to the front before
+    the consumer takes again, so every task starts once and in order (left to the
+    audit, the tasks behind them would start first)."""
+    worker, producer = make(), make()
+    tasks = ["a", "b", "c", "d", "e", "f"]
+    await producer.enqueue("jobs", tasks)
+    real = _ops.dequeue.dequeue
+    calls = 0
+
+    async def late(*args: Any, **kwargs: Any) -> list[Process]:
+        nonlocal calls
+        calls += 1
+        taken = await real(*args, **kwargs)
+        if calls == 1:
+            await anyio.sleep(5)  # past the take limit: the reply "never came"
+        return taken
+
+    monkeypatch.setattr(_ops.dequeue, "dequeue", late)
+    monkeypatch.setattr(consumer_module, "_TAKE_LIMIT", 0.3)
+    started: list[str] = []
+
+    async def handler(process: Process) -> None:
+        started.append(process.task)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worker.consume("jobs", handler, concurrency=2))
+        await eventually(lambda: len(started) == len(tasks))
+        await anyio.sleep(0.3)  # a second run would show
+        tg.cancel_scope.cancel()
+    assert calls > 1 and started == tasks
+    assert await producer.get_tasks("jobs") == []
+    assert await producer.get_processes("jobs") == []

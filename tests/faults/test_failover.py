@@ -32,7 +32,7 @@ from worqr import Process, ReplicationError, Worqr, WorqrError
 from worqr._layout.keys import Keys
 from worqr.testing import EmbeddedCluster, EmbeddedSentinel, EmbeddedServer
 
-from ..helpers import eventually
+from ..helpers import eventually, progressing
 
 REPLICATION_WINDOW = 1.0
 """Seconds before a kill within which an acknowledged enqueue may be lost: the
@@ -108,9 +108,8 @@ async def _run_fleet(
                 ledger.queue_of[task] = queue
             await anyio.sleep(0.003)
         with contextlib.suppress(TimeoutError):  # what is missing then is reported as lost
-            await eventually(
-                lambda: bool(outcome) and ledger.acked.keys() <= ledger.done.keys(), 60
-            )
+            await eventually(lambda: bool(outcome), within=120)
+            await progressing(lambda: len(ledger.acked.keys() & ledger.done.keys()), len(ledger.acked))
         await anyio.sleep(1.0)  # let late duplicates show
         tg.cancel_scope.cancel()
     return ledger, outcome[0], producer

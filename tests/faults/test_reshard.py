@@ -42,7 +42,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from worqr import BackendError, Process, Worqr
 from worqr.testing import EmbeddedCluster, EmbeddedServer, find_cli_binary
 
-from ..helpers import consuming, eventually, reap
+from ..helpers import consuming, eventually, progressing, reap
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = 3000
@@ -287,7 +287,7 @@ async def _run(
             moved = await move()
             moved = f"{moved}, while executions went from {before} to {len(fleet.executions)}"
             with contextlib.suppress(TimeoutError):  # what is missing is reported below
-                await eventually(lambda: len(fleet.executions) >= TASKS, within=30)
+                await progressing(lambda: len(fleet.executions), TASKS)
             await anyio.sleep(1.0)  # late duplicates show
         executions, logs = fleet.executions, fleet.logs
         assert set(executions) == set(tasks), f"never executed: {len(set(tasks) - set(executions))}"

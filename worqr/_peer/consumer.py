@@ -392,9 +392,9 @@ class Consumer:
         self._dequeuing, self._cancelled_meanwhile = True, set()
         self._asked = count
         try:
-            # A dequeue cut off here may have been applied: what it took is recorded
-            # under this worker but unknown to it, and the audit returns it at its next
-            # cleanup tick.
+            # A dequeue cut off here may have been applied: the take hands what it took
+            # back to the front before it returns (what it cannot reach, the audit
+            # returns at its next cleanup tick).
             with anyio.move_on_after(_TAKE_LIMIT):
                 taken = await self._host._take(
                     self.queue,
