@@ -91,3 +91,34 @@ def test_no_module_or_class_is_too_big_without_a_reason(path: Path) -> None:
         if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
             lines = node.end_lineno - node.lineno + 1
             assert lines <= CLASS_LINES, f"class {node.name}: {lines} lines"
+
+
+REACHES_ALLOWED = {
+    ("worqr/_worqr.py", "worqr._worker"),  # `runtime`: the facade hands its runtime out
+    ("worqr/_worqr.py", "made._worker"),  # `twin`, on a Worqr it made
+    ("worqr/_worqr.py", "base._timing"),
+    ("worqr/_worqr.py", "base._given"),
+    ("worqr/_worqr.py", "worqr._owned"),  # `from_url`, on the Worqr it made
+    ("worqr/_redis/wire.py", "connection._parser"),  # redis-py's reader, for the wire
+    ("worqr/_redis/wire.py", "parser._reader"),
+    ("worqr/cli/read.py", "s.rate_limit._asdict"),  # a NamedTuple's public method
+    ("worqr/cli/run.py", "os._exit"),
+    ("worqr/cli/stopping.py", "os._exit"),
+}
+"""Where a module reads an underscore name of an object that is not its own ``self``."""
+
+
+def test_no_module_reaches_into_another_objects_underscore_names() -> None:
+    """A layer calls the one below through its public names; the facade's private
+    parts reach its ways in only through `worqr._worqr.runtime` and `twin`."""
+    found = set()
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                found.add((str(path.relative_to(ROOT)), ast.unparse(node)))
+    assert found <= REACHES_ALLOWED, sorted(found - REACHES_ALLOWED)

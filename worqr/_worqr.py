@@ -1,8 +1,11 @@
-"""`Worqr`: the object users hold. It validates input, keeps this peer's local
-state (worker, queues worked on, processes held, consumers) and delegates every
-write to `_ops`. (Over 800 lines, and its class over 600: the worker runtime, from the
-take to fencing and settling, still lives here; it is the next to move, to `_peer/`,
-leaving a thin facade.)"""
+"""`Worqr`: the object users hold, a facade. It checks every argument, owns the peer's
+clients and background loops, and delegates: the producer's and the operator's calls
+to `_ops`, the worker's to its runtime (`_peer.worker.Worker`).
+
+Over 1,100 lines, its class over 1,000: it is the whole public API, about fifty
+methods, each with the docstring the reference shows and the checks of its
+arguments. What they decide is decided elsewhere; splitting the class would split
+the one object users hold."""
 
 from __future__ import annotations
 
@@ -11,16 +14,13 @@ import contextlib
 import datetime
 import functools
 import math
-import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
 from typing_extensions import Self
 
 from . import _ops
@@ -28,32 +28,27 @@ from ._errors import (
     BackendError,
     BackendUnavailableError,
     ClosedError,
-    CorruptDataError,
-    InvalidProcessIdError,
     JobFailedError,
     NotWorkingError,
     ProtocolVersionError,
     ReplicationError,
-    WorkerLiveError,
     WorkerNotStartedError,
-    WorqrError,
     redis_boundary,
 )
 from ._job import Job, JobCalls, check_after
-from ._layout.envelope import check_job_id, check_plain_task, is_envelope
-from ._layout.flow import Flow, Paused, RateLimit, Throttled, check_rate_limit
+from ._layout.envelope import check_job_id, check_plain_task
+from ._layout.flow import RateLimit, Throttled, check_rate_limit
 from ._layout.jobs import Backoff, JobInfo, JobStatus
 from ._layout.jobs import Options as JobOptions
 from ._layout.jobs import options as job_options
 from ._layout.keys import Keys
-from ._layout.levels import Picker, check_policy, check_priority
+from ._layout.levels import check_policy, check_priority
 from ._layout.models import (
     FailedTask,
     Listener,
     Process,
     QueueStatistics,
     WorkerInfo,
-    readable,
     storable,
 )
 from ._layout.names import (
@@ -68,24 +63,24 @@ from ._layout.names import (
     check_task,
     check_tasks,
     check_worker_id,
-    new_process_id,
     new_worker_id,
     parse_process_id,
-    split_process_id,
 )
 from ._layout.schedules import ScheduleInfo, check_name, definition, stored_options
 from ._log import PeerLog
-from ._ops.check import CheckReport, Problem, inspect
+from ._ops.check import CheckReport, inspect
 from ._ops.commands import read
-from ._peer.consumer import Consumer, Handler
+from ._peer.consumer import Handler
 from ._peer.events import Events, Subscribed
 from ._peer.handlers import check_handler
+from ._peer.holdings import Parts, Timing
 from ._peer.promoter import Promoter
 from ._peer.releaser import Releaser
+from ._peer.repairs import repair_problem
 from ._peer.results import Results, job_info
 from ._peer.scheduler import Scheduler
 from ._peer.stats import LocalStats
-from ._peer.supervisor import Supervisor
+from ._peer.worker import Worker
 from ._redis.batch import GroupCommit
 from ._redis.clock import ServerClock
 from ._redis.connections import (
@@ -102,23 +97,9 @@ from ._redis.replies import members, text
 from ._redis.urls import Closable, connect
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
-_UNREADABLE = "unreadable task: its bytes are not valid UTF-8 (kept as they were)"
-_BAD_ENVELOPE = "unreadable job envelope (kept as it was)"
 _DAY = 86400.0
-_REPORT_EVERY = 60.0  # seconds between two warnings about the same corrupt key
-_FINISH_BATCH = 256  # processes finished in one transaction at most
 _ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
-_HAND_BACK_LIMIT = 10.0  # seconds a take cut off spends handing its processes back
-_BLOCK_SECONDS = 1.5
-"""How long one blocking take waits for a task (at most half of ``worker_timeout``):
-an idle consumer re-arms it this often (see `_ops.block`)."""
-_BLOCK_ARM_LIMIT = 10.0  # seconds the transaction that begins a block may take
-_BLOCK_MARGIN = 0.5  # seconds beyond a block's end before its id is given up
-_BLOCK_REST = 5.0  # seconds without blocking takes of a queue after one failed
-_UNKNOWN_ARM_WAIT = 60.0
-"""Seconds before the id of a blocking take whose beginning was never confirmed (its
-transaction's reply lost) is given up: the write may still be on its way."""
 _LEAVE_PAUSES = (0.1, 0.3, 1.0, 2.0, None)  # between tries of the shutdown's fail_worker
 _LEAVE_LIMIT = 15.0  # seconds the shutdown's fail_worker may take, tries included
 
@@ -170,17 +151,19 @@ class Worqr:
                 "subscriber must be a redis.asyncio.Redis or RedisCluster,"
                 f" not {type(subscriber).__name__}"
             )
-        self._heartbeat_interval = check_interval("heartbeat_interval", heartbeat_interval)
-        self._worker_timeout = check_interval("worker_timeout", worker_timeout)
-        if self._worker_timeout <= self._heartbeat_interval:
+        heartbeat = check_interval("heartbeat_interval", heartbeat_interval)
+        timeout = check_interval("worker_timeout", worker_timeout)
+        if timeout <= heartbeat:
             raise ValueError(
                 f"worker_timeout ({worker_timeout}) must be greater than "
                 f"heartbeat_interval ({heartbeat_interval})"
             )
-        self._cleanup_interval = (
-            min(0.5, self._worker_timeout / 2)
+        self._timing = Timing(
+            heartbeat,
+            timeout,
+            min(0.5, timeout / 2)
             if cleanup_interval is None
-            else check_interval("cleanup_interval", cleanup_interval)
+            else check_interval("cleanup_interval", cleanup_interval),
         )
         if quarantine_after is not None and (
             isinstance(quarantine_after, bool) or not isinstance(quarantine_after, int)
@@ -190,7 +173,6 @@ class Worqr:
             )
         if quarantine_after is not None and quarantine_after < 1:
             raise ValueError(f"quarantine_after must be at least 1, got {quarantine_after}")
-        self._quarantine_after = quarantine_after
         if isinstance(wait_replicas, bool) or not isinstance(wait_replicas, int):
             raise TypeError(f"wait_replicas must be an int, not {type(wait_replicas).__name__}")
         if wait_replicas < 0:
@@ -201,7 +183,6 @@ class Worqr:
             else None
         )
         self._max_payload = check_payload_limit(max_payload_bytes)
-        self._explicit_id = worker_id is not None
         self._worker_id = new_worker_id() if worker_id is None else check_worker_id(worker_id)
         self._log = PeerLog(self._worker_id)
         self._reach = Reach(self._log)  # one warning per outage, not one per failed call
@@ -210,10 +191,6 @@ class Worqr:
         self._once = client_without_retries(redis)  # dequeue's transactions: never resent
         # Idle consumers' blocking takes, a connection each (one server only).
         self._blocking = blocking_client(redis)
-        self._block_seconds = min(_BLOCK_SECONDS, self._worker_timeout / 2)
-        self._block_rest: dict[str, float] = {}  # queue -> no blocking take before then
-        # queue -> blocking takes given up whose task may still go back to the front
-        self._withdrawing: Counter[str] = Counter()
         if strict(self._redis):
             self._log.warning(
                 "this RedisCluster client decodes strictly: make it with"
@@ -223,32 +200,21 @@ class Worqr:
         self._keys = Keys(check_prefix(prefix))
         self._owned: list[Closable] = []
         self._events = Events(
-            subscriber or redis, self._keys, self._after_reconnect, self._log, self._reach
+            subscriber or redis,
+            self._keys,
+            lambda: self._worker.after_reconnect(),
+            self._log,
+            self._reach,
         )
         self._runner: asyncio.Task[None] | None = None
         self._runner_scope: anyio.CancelScope | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._ready: asyncio.Event = asyncio.Event()
-        self._supervisor: Supervisor | None = None
-        self._working: dict[str, str | None] = {}  # queue -> deletion token at start_work
-        self._held: dict[str, Process] = {}  # dequeued here; known until Redis ended them
-        self._ending: set[str] = set()  # held ids whose end (finish, fail, stop) is in flight
-        self._taking: set[str] = set()  # ids of dequeues in flight (outcome not yet known)
-        self._controlled: set[str] = set()  # last seen paused, limited, or with levels
-        self._pickers: dict[str, Picker] = {}  # queue -> the levels' credit of its dequeues
-        self._starting = anyio.Lock()
-        self._finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         # Plain enqueues that overlap in time share a round trip (see `enqueue`).
         self._pushes = GroupCommit(self._push_many, _ENQUEUE_BATCH, eager=True, withdraw=True)
         self._lane = Lane(self._redis) if isinstance(self._redis, Redis) else None
-        self._consumers: set[Consumer] = set()
-        self._lost = False
-        self._recovering = anyio.Lock()
-        self._epoch = 0
         self._closed = False
         self._stats = LocalStats()
-        self._workers_reclaimed = 0  # dead workers this peer reclaimed, for the metrics
-        self._reported: dict[str, float] = {}  # corrupt key -> when it was last logged
         self._clock = ServerClock()
         self._promoter = Promoter(self._redis, self._keys, self._clock, self._log, self._reach)
         self._scheduler = Scheduler(self._redis, self._keys, self._clock, self._log, self._reach)
@@ -256,7 +222,28 @@ class Worqr:
         self._results = Results(self._events)
         self._job_calls = JobCalls(self._job_result, self._job_info, self._cancel_job)
         self._jobs_on = False  # the prefix is known to be at protocol 3
-        self._promoting: dict[str, Callable[[str, str], None]] = {}  # queue -> its timers' hook
+        self._worker = Worker(
+            Parts(
+                self._worker_id,
+                self._keys,
+                self._redis,
+                self._once,
+                self._log,
+                self._reach,
+                self._events,
+                self._clock,
+                self._stats,
+            ),
+            self._timing,
+            explicit_id=worker_id is not None,
+            quarantine_after=quarantine_after,
+            max_payload_bytes=self._max_payload,
+            blocking=self._blocking,
+            promoter=self._promoter,
+            scheduler=self._scheduler,
+            releaser=self._releaser,
+            results=self._results,
+        )
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Worqr:
@@ -333,6 +320,7 @@ class Worqr:
         with scope:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
+                self._worker.blocking.task_group = tg
                 tg.start_soon(self._events.run)
                 tg.start_soon(self._promoter.run)
                 tg.start_soon(self._scheduler.run)
@@ -355,18 +343,8 @@ class Worqr:
         if self._closed:
             return
         try:
-            consumers = list(self._consumers)
-            for consumer in consumers:
-                consumer.stop("shutdown", cancel=False)
-            with anyio.move_on_after(grace):
-                for consumer in consumers:
-                    await consumer.wait_idle()
-            for consumer in consumers:
-                consumer.stop("shutdown", cancel=True)
-            with anyio.move_on_after(1.0):
-                for consumer in consumers:
-                    await consumer.wait_idle()
-            if self._supervisor is not None:
+            await self._worker.drain(grace)
+            if self._worker.supervisor is not None:
                 await self._leave()
         finally:  # even when cancelled: the connections must not outlive the peer
             await self.close()
@@ -406,9 +384,8 @@ class Worqr:
         if self._closed:
             return
         self._closed = True
+        self._worker.close()
         self._results.close()
-        for consumer in list(self._consumers):
-            consumer.stop("closed", cancel=True)
         if self._runner_scope is not None:
             self._runner_scope.cancel()
         with anyio.CancelScope(shield=True):
@@ -864,326 +841,13 @@ class Worqr:
         """
         check_queue(queue)
         self._require_worker()
-        if queue not in self._working:
+        if queue not in self._worker.working:
             raise NotWorkingError(f"this worker has not started work on {queue!r}")
         try:
-            taken = await self._take(queue)
+            taken = await self._worker.take(queue)
         except Throttled:
             return None
         return taken[0] if taken else None
-
-    async def _take(
-        self,
-        queue: str,
-        count: int = 1,
-        *,
-        announced: bool = False,
-        policy: str = "weighted",
-        normal: bool = True,
-    ) -> list[Process]:
-        """Dequeue up to ``count`` tasks (see `_ops.dequeue`), the levels served by
-        ``policy``, fenced against a lease loss that happens while the command runs.
-        Nothing while the queue is paused; `Throttled` when its rate limit is reached.
-
-        Every id a dequeue attempt uses is known as in flight until the call is over,
-        so the audit never takes its process for a stray; after the call, the ids of an
-        attempt whose outcome stayed unknown are the audit's to return.
-        """
-        if self._lost or self._closed or self._supervisor is None:
-            return []
-        epoch = self._epoch
-        reserved: list[str] = []
-
-        def new_ids(levels: Sequence[str]) -> list[str]:
-            ids = [new_process_id(self._worker_id, queue, level).id for level in levels]
-            reserved.extend(ids)
-            self._taking.update(ids)
-            return ids
-
-        def seen(look: _ops.dequeue.Look) -> None:  # such a queue's dequeue reads it first
-            if look.flow.limit is None and not look.flow.paused and not look.leveled:
-                self._controlled.discard(queue)
-            else:
-                self._controlled.add(queue)
-
-        normal = normal and not self._withdrawing[queue]  # else one may be on its way back
-        taken: list[Process] = []
-        try:
-            taken = await _ops.dequeue.dequeue(
-                self._redis,
-                self._once,
-                self._keys,
-                self._worker_id,
-                queue,
-                count,
-                announced=announced and normal and queue not in self._controlled,
-                new_ids=new_ids,
-                seen=seen,
-                picker=self._pickers.setdefault(queue, Picker()),
-                policy=policy,
-                normal=normal,
-            )
-            if epoch != self._epoch:  # hand back newest first: the oldest ends at the head
-                for process in reversed(taken):
-                    ref = split_process_id(process.id)
-                    await _ops.stop.stop(self._once, self._keys, ref, process.job_id)
-                return []
-            for process in taken:
-                self._held[process.id] = process
-            return await self._usable(queue, taken)
-        except Paused:  # nothing was taken
-            return []
-        except Throttled:  # nothing was taken either
-            raise
-        except BaseException:
-            await self._hand_back_ids(reserved, taken)
-            raise
-        finally:
-            self._taking.difference_update(reserved)
-
-    async def _hand_back_ids(self, reserved: list[str], taken: list[Process]) -> None:
-        """A take cut off (its caller's limit, a lost reply) may have taken processes
-        that never reach a handler: back to the front they go now, newest first, before
-        the next take of this peer (the audit would return them, but a cleanup tick
-        later, after tasks behind them had started). What this cannot reach (Redis
-        away) is the audit's; an id whose dequeue is still on its way is too."""
-        for process in taken:
-            self._held.pop(process.id, None)
-        refs = [ref for pid in reserved if (ref := self._stray_ref(pid)) is not None]
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_HAND_BACK_LIMIT):
-            try:
-                for ref in sorted(refs, key=lambda ref: ref.token, reverse=True):
-                    await _ops.stop.stop(self._once, self._keys, ref, look=True)
-            except WorqrError as exc:
-                self._reach.failed("hand-back of a take cut off failed", exc)
-
-    async def _usable(self, queue: str, taken: list[Process]) -> list[Process]:
-        """The processes just taken that a handler can run: the others go to the failed
-        list (an undecodable task, a broken envelope); deadlines of timed jobs set."""
-        usable = []
-        for process in taken:
-            if not readable(process.task):  # no handler can take it, and no retry helps
-                await self._reject(process, _UNREADABLE)
-            elif process.envelope is None and is_envelope(process.task):
-                await self._reject(process, _BAD_ENVELOPE)
-            else:
-                usable.append(process)
-        await self._set_deadlines(queue, usable)
-        return usable
-
-    def _can_block(self, queue: str) -> bool:
-        """Whether an idle consumer of ``queue`` may wait in a blocking take (see
-        `_block_take`): one server (a Cluster keeps the heartbeat on another slot), the
-        queue last seen plain (no pause, limit or other levels), the lease fresh, no
-        blocking take of the queue failed within the last few seconds, and none given
-        up may still send its task back to the front (a block would take the next one
-        first)."""
-        return (
-            self._blocking is not None
-            and queue not in self._controlled
-            and not self._withdrawing[queue]
-            and not self._lease_lapsed()
-            and time.monotonic() >= self._block_rest.get(queue, 0.0)
-        )
-
-    async def _block_take(self, queue: str, received: Callable[[], None]) -> list[Process]:
-        """Wait up to `_BLOCK_SECONDS` for the queue's next normal task, moved by Redis
-        into a process of this worker the moment it is pushed (`_ops.block`): the idle
-        path without a round trip after the wake-up. [] when none came, the queue
-        turned out paused or limited, or with tasks at another level (the task went
-        back to the front; at another level before this returns, so that the look
-        that follows finds it in place), or the take could not be armed (then
-        blocking takes of the queue rest a while).
-
-        ``received()`` is called as a task arrives, before anything else: from then on
-        the caller must not cancel the call (the task is held, and must reach a
-        handler or go back). The id stays known as in flight (the audit leaves it
-        alone) until it is held; cancelled while it waits, the take drops its
-        connection and gives the id up (what reached its list goes back to the
-        front) once its block is over for certain, in the background.
-        """
-        blocking = self._blocking
-        if blocking is None or self._lost or self._closed or self._supervisor is None:
-            return []
-        epoch = self._epoch
-        pid = new_process_id(self._worker_id, queue, "normal").id
-        pool = blocking.connection_pool
-        connection = await pool.get_connection()  # raising, it leaves nothing in flight
-        self._taking.add(pid)
-        armed: _ops.block.Armed | None = None
-        over = False  # the block's reply was read: it cannot move anything any more
-        try:
-            armed = await _ops.block.arm(
-                connection,
-                self._keys,
-                self._worker_id,
-                queue,
-                pid,
-                timeout_ms=max(1, round(self._worker_timeout * 1000)),
-                seconds=self._block_seconds,
-                limit=_BLOCK_ARM_LIMIT,
-            )
-            if armed.lapsed or armed.corrupt is not None:
-                await connection.disconnect(nowait=True)  # Redis ends the block
-                self._give_up(queue, pid, armed.at)
-                if armed.corrupt is not None:
-                    self._report_corrupt([armed.corrupt])
-                    self._block_rest[queue] = time.monotonic() + _BLOCK_REST
-                else:
-                    await self._lose_leases("heartbeat expired")
-                return []
-            done = await _ops.block.outcome(
-                connection, self._keys, self._worker_id, queue, self._block_seconds
-            )
-            task, flow = done.task, done.flow
-            over = True
-            if task is None:  # none came: the id goes, its block over
-                await _ops.block.forget(connection, self._keys, self._worker_id, queue, pid)
-                self._taking.discard(pid)
-                return []
-            received()
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await connection.disconnect(nowait=True)
-            self._give_up(queue, pid, None if armed is None else armed.at, over=over)
-            if isinstance(exc, Exception):
-                self._block_rest[queue] = time.monotonic() + _BLOCK_REST
-                if isinstance(exc, CorruptDataError):
-                    self._report_corrupt([exc.key or self._keys.tasks(queue)])
-                    return []
-                if isinstance(exc, RedisError | BackendError):
-                    self._reach.failed("blocking take failed", exc, queue=queue)
-                    return []
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await pool.release(connection)
-        try:
-            parsed: Flow | None = Flow.parse(flow, self._keys.flow(queue))
-        except CorruptDataError:
-            parsed = None
-        if parsed is None or parsed.paused or parsed.limit is not None:
-            self._controlled.add(queue)  # the next take reads the flow first
-            self._give_up(queue, pid, None, over=True)
-            return []
-        if epoch != self._epoch:  # the leases were lost meanwhile: back it goes
-            self._give_up(queue, pid, None, over=True)
-            return []
-        if done.leveled:  # a higher level may hold one: back to the front, then a look
-            self._controlled.add(queue)
-            self._withdrawing[queue] += 1
-            with anyio.CancelScope(shield=True):  # the look must find it back in place
-                await self._withdraw(queue, pid, 0.0)
-            return []
-        process = _ops.writes.as_process(pid, task, queue)
-        self._held[pid] = process
-        self._taking.discard(pid)
-        return await self._usable(queue, [process])
-
-    def _give_up(self, queue: str, pid: str, armed_at: float | None, *, over: bool = False) -> None:
-        """Withdraw a blocking take's id in the background, once its block is over for
-        certain: at once when its reply was read (``over``), `_BLOCK_SECONDS` after
-        the reply that began it (``armed_at``), else after `_UNKNOWN_ARM_WAIT` (the
-        write that would begin it may still be on its way). Only a withdrawal due
-        within a block's time holds this worker's normal takes back (`_withdrawing`):
-        an arm whose outcome is unknown (a fault: its connection failed, and a block
-        dies with its connection) must not stop the queue for a minute."""
-        if over:
-            wait = 0.0
-        elif armed_at is not None:
-            wait = max(0.0, armed_at + self._block_seconds + _BLOCK_MARGIN - time.monotonic())
-        else:
-            wait = _UNKNOWN_ARM_WAIT
-        if self._task_group is None or self._closed:
-            self._taking.discard(pid)  # closing: peers reclaim it with the worker
-            return
-        held_back = armed_at is not None or over
-        if held_back:
-            self._withdrawing[queue] += 1
-        else:  # what a block that ran before its connection failed moved goes back now,
-            # not in a minute (a lost reply, a kill): the late withdrawal below catches
-            # what a block still alive on the server moves after this one
-            self._task_group.start_soon(self._withdraw_now, queue, pid)
-        self._task_group.start_soon(self._withdraw, queue, pid, wait, held_back)
-
-    async def _withdraw_now(self, queue: str, pid: str) -> None:
-        """`_give_up`'s first withdrawal of a take whose arm's outcome is unknown: its
-        id stays in flight (`_taking`) for the late one."""
-        try:
-            await _ops.block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
-        except BackendError as exc:  # the late withdrawal tries again
-            self._reach.failed("could not give up a blocking take", exc, queue=queue)
-
-    async def _withdraw(self, queue: str, pid: str, wait: float, held_back: bool = True) -> None:
-        """`_give_up`'s withdrawal, ``wait`` seconds from now. ``held_back``: counted
-        in `_withdrawing` by the caller, so that until it is over this worker takes
-        nothing from the normal level of the queue (the task it may send back to the
-        front is not overtaken); then a look (a bare ``work``) lets the consumers take
-        it."""
-        try:
-            await anyio.sleep(wait)
-            await _ops.block.withdraw(self._once, self._keys, self._worker_id, queue, pid)
-        except BackendError as exc:  # it stays recorded: a reclaim or the
-            # recovery of this worker returns it later
-            self._reach.failed("could not give up a blocking take", exc, queue=queue)
-        finally:
-            self._taking.discard(pid)
-            if held_back:
-                self._withdrawing[queue] -= 1
-            if held_back and not self._withdrawing[queue]:
-                del self._withdrawing[queue]
-                self._events.poke(queue, "work", "")
-
-    async def _set_deadlines(self, queue: str, processes: list[Process]) -> None:
-        """Record, for the jobs with a timeout, when a peer may take them away: their
-        timeout plus a grace of ``worker_timeout`` after now (server time). Without
-        it only this worker's own timer stops them (logged)."""
-        timed = [(p.id, p.timeout) for p in processes if p.timeout is not None]
-        if not timed:
-            return
-        grace = self._worker_timeout
-        try:
-            now = await self._clock.now_ms(self._redis)
-            deadlines = [(pid, now + round((limit + grace) * 1000)) for pid, limit in timed]
-            await _ops.end.set_deadlines(self._redis, self._keys, queue, deadlines)
-        except BackendError as exc:
-            self._log.warning("could not record job deadlines: %s", exc, extra={"queue": queue})
-
-    async def _reject(self, process: Process, why: str) -> None:
-        """Move an unreadable task (``why``) to the failed list: one attempt, so that the tasks
-        taken with it are not held up; if it fails the process stays held here (the
-        audit leaves it alone) rather than going back to the head of the queue."""
-        ref = split_process_id(process.id)
-        try:
-            with self._ending_process(process.id):
-                now = self._clock.estimate_ms()
-                task = await _ops.end.fail(self._redis, self._keys, ref, why, now, final=True)
-        except BackendError as exc:
-            self._log.error(
-                "could not move an unreadable task to the failed list: %s",
-                exc,
-                extra={"queue": process.queue, "process_id": process.id},
-            )
-            return
-        self._held.pop(process.id, None)
-        self._note(ref, task, failed=True)
-        self._log.error(
-            "moved an unreadable task to the failed list",
-            extra={"queue": process.queue, "process_id": process.id},
-        )
-
-    @contextlib.contextmanager
-    def _ending_process(self, process_id: str) -> Iterator[None]:
-        """Mark a held process as being ended for the block: the audit leaves it alone
-        (its finish may land between the audit's read and its look at this peer)."""
-        if process_id in self._ending:  # an outer block of the same end owns the mark
-            yield
-            return
-        self._ending.add(process_id)
-        try:
-            yield
-        finally:
-            self._ending.discard(process_id)
 
     async def finish_process(self, process: Process | str, result: str | None = None) -> bool:
         """Finish a process: its task is done. Publishes ``done``. False (and nothing
@@ -1194,28 +858,14 @@ class Worqr:
             raise ValueError("result cannot be stored: it has a lone surrogate")
         if result is not None:
             check_sizes("result", [result], self._max_payload)
-        ref = self._ref(process)
-        if await self._fenced(ref):
-            return False
-        now = await self._clock.now_ms(self._redis)
-        with self._ending_process(ref.id):
-            task = await _ops.end.finish(self._redis, self._keys, ref, result, now)
-        self._held.pop(ref.id, None)  # known until Redis answered (an error keeps it)
-        self._note(ref, task, failed=False)
-        return task is not None
+        return await self._worker.finish(self._ref(process), result)
 
     async def stop_process(self, process: Process | str) -> bool:
         """Give a process up: its task goes back to the FRONT of its queue. False (and
         nothing changes) if the process no longer exists or its lease was lost."""
-        ref = self._ref(process)
-        if await self._fenced(ref):
-            return False
         job_id = process.job_id if isinstance(process, Process) else None
         look = not isinstance(process, Process)  # a job's? its task says
-        with self._ending_process(ref.id):
-            task = await _ops.stop.stop(self._once, self._keys, ref, job_id, look=look)
-        self._held.pop(ref.id, None)
-        return task is not None
+        return await self._worker.stop_process(self._ref(process), job_id, look=look)
 
     async def get_matching_processes(self, task: str) -> list[str]:
         """Ids of every in-process copy of ``task``, in any queue, held by any worker."""
@@ -1277,33 +927,12 @@ class Worqr:
     def _ref(self, process: Process | str) -> ProcessRef:
         return parse_process_id(process.id if isinstance(process, Process) else process)
 
-    async def _fenced(self, ref: ProcessRef) -> bool:
-        """Whether this is one of our own processes whose lease is lost: the heartbeat
-        expired, or was not refreshed within ``worker_timeout`` (e.g. the event loop
-        was blocked), in which case peers may already have reclaimed it."""
-        if ref.worker_id != self._worker_id:
-            return False
-        if not self._lost and self._supervisor is not None and self._supervisor.overdue():
-            await self._lose_leases("heartbeat not refreshed within worker_timeout")
-        return self._lost
-
     # -- the worker --------------------------------------------------------------------
-
-    _exclusive = False
-    """Whether this worker's id, live elsewhere, is refused (`WorkerLiveError` at the
-    start; a lost lease then stays lost) rather than taken over: an HTTP worker's
-    twin (worqr.web), whose id another app of the fleet may hold."""
-
-    def _live_elsewhere(self) -> WorkerLiveError:
-        return WorkerLiveError(
-            f"worker {self._worker_id!r} is live elsewhere (its heartbeat is set):"
-            " it is not taken over"
-        )
 
     def _require_worker(self) -> None:
         if self._closed:
             raise ClosedError("this Worqr is closed")
-        if self._supervisor is None:
+        if self._worker.supervisor is None:
             raise WorkerNotStartedError("call start_worker() before working on queues")
 
     async def start_worker(self) -> None:
@@ -1313,10 +942,8 @@ class Worqr:
         handed back (a restarted worker must not wait for its own timeout).
         """
         tg = await self._ensure_running()
-        async with self._starting:  # concurrent callers: one supervisor, one registration
-            if self._supervisor is None:
-                with self._closed_under("its worker started"):
-                    await self._start_worker(tg)
+        with self._closed_under("its worker started"):
+            await self._worker.start(tg, self._check_connection)
 
     @contextlib.contextmanager
     def _closed_under(self, what: str) -> Iterator[None]:
@@ -1329,75 +956,16 @@ class Worqr:
                 raise ClosedError(f"this Worqr was closed while {what}") from exc
             raise
 
-    async def _start_worker(self, tg: anyio.abc.TaskGroup) -> None:
-        await self._check_connection()
-        await self._clock.sample(self._redis)  # due times and deadlines are server time
-        if self._explicit_id and not await self._fail_dead(
-            self._worker_id, only_if_dead=self._exclusive
-        ):
-            raise self._live_elsewhere()
-        supervisor = Supervisor(
-            self,
-            self._log,
-            self._reach,
-            self._redis,
-            self._keys,
-            heartbeat_interval=self._heartbeat_interval,
-            worker_timeout=self._worker_timeout,
-            cleanup_interval=self._cleanup_interval,
-        )
-        if not await _ops.workers.register_worker(
-            self._redis,
-            self._keys,
-            self._worker_id,
-            supervisor.timeout_ms,
-            (),
-            exclusive=self._exclusive,
-        ):
-            raise self._live_elsewhere()
-        if self._closed:
-            raise ClosedError("this Worqr was closed while its worker started")
-        self._lost = False
-        self._supervisor = supervisor
-        tg.start_soon(supervisor.run)
-        self._log.info("worker started")
-
     async def start_work(self, queue: str) -> None:
         """Work on a queue: subscribe to its events and publish ``work`` if tasks wait."""
         check_queue(queue)
         self._require_worker()
-        self._working.setdefault(queue, None)
-        self._events.pin(queue)
-        if queue not in self._promoting:
-            self._promoting[queue] = functools.partial(self._timers_hook, queue)
-            self._events.add_hook(queue, self._promoting[queue])
-        await self._events.settled(queue)
-        waiting, deleted, message = await _ops.workers.start_work(
-            self._redis, self._keys, self._worker_id, queue
-        )
-        if queue in self._working:
-            self._working[queue] = deleted
-            self._promoter.watch(queue, None)  # due times announced from now on count
-            self._scheduler.watch(queue)
-            self._releaser.watch(queue)
-            (due,) = await _ops.promote.next_due(self._redis, self._keys, [queue])
-            await self._promoter.catch_up(queue, due)
-        if waiting:
-            await _ops.writes.publish(self._redis, self._keys, queue, "work", message)
+        await self._worker.start_work(queue)
 
     async def stop_work(self, queue: str) -> None:
         """Stop working on a queue: its `consume` loops end and this worker's processes
         of the queue go back to the front."""
-        check_queue(queue)
-        for consumer in list(self._consumers):
-            if consumer.queue == queue:
-                consumer.stop("stopped", cancel=True)
-        self._working.pop(queue, None)
-        self._events.unpin(queue)
-        self._stop_promoting(queue)
-        for pid in [pid for pid, p in self._held.items() if p.queue == queue]:
-            del self._held[pid]
-        await _ops.workers.stop_work(self._redis, self._keys, self._worker_id, queue)
+        await self._worker.stop_work(check_queue(queue))
 
     async def request_work(self, queue: str) -> int:
         """Publish ``work`` with the number of waiting tasks, if any; returns it."""
@@ -1411,131 +979,13 @@ class Worqr:
         start it again.
         """
         target = self._worker_id if worker_id is None else check_worker_id(worker_id)
-        if target != self._worker_id:
-            outcome = await _ops.workers.fail_worker(
-                self._redis, self._keys, target, only_if_dead=False
-            )
-        else:  # after a start in progress, so that it cannot re-register the failed worker
-            async with self._starting:
-                self._stop_worker("failed")
-                outcome = await _ops.workers.fail_worker(
-                    self._redis, self._keys, target, only_if_dead=False
-                )
-        if outcome is None:
-            return 0
-        self._report_corrupt(outcome.corrupt)
-        return sum(len(reclaimed.returned) for reclaimed in outcome.reclaimed.values())
-
-    def _stop_worker(self, reason: str) -> None:
-        for consumer in list(self._consumers):
-            consumer.stop(reason, cancel=True)
-        if self._supervisor is not None:
-            self._supervisor.stop()
-            self._supervisor = None
-        for queue in self._working:
-            self._events.unpin(queue)
-        for queue in list(self._promoting):
-            self._stop_promoting(queue)
-        self._working.clear()
-        self._held.clear()
-
-    def _timers_hook(self, queue: str, kind: str, message: str) -> None:
-        """The queue's events for its delayed jobs' and its schedules' timers, and its
-        waiting jobs' releases."""
-        self._promoter.hook(queue, kind, message)
-        self._scheduler.hook(queue, kind, message)
-        self._releaser.hook(queue, kind, message)
-
-    def _stop_promoting(self, queue: str) -> None:
-        self._promoter.forget(queue)
-        self._scheduler.forget(queue)
-        self._releaser.forget(queue)
-        hook = self._promoting.pop(queue, None)
-        if hook is not None:
-            self._events.remove_hook(queue, hook)
+        return await self._worker.fail_worker(target)
 
     async def cleanup_workers(self) -> list[str]:
         """Fail every worker whose heartbeat is gone (including workers known only as
         holders of processes); returns their ids. Tasks whose holders died
         ``quarantine_after`` times go to the failed list instead of back to the queue."""
-        failed: list[str] = []
-        now = await self._clock.now_ms(self._redis)
-        found = await _ops.workers.scan(self._redis, self._keys, now)
-        self._report_corrupt(found.corrupt)
-        for worker_id in found.dead:
-            if worker_id == self._worker_id and self._supervisor is not None:
-                continue  # our own heartbeat loop fences and recovers
-            if await self._fail_dead(worker_id, only_if_dead=True):
-                failed.append(worker_id)
-        dead = set(found.dead)  # their attempts go back with them: a death is no attempt
-        for ref in found.overdue:
-            if ref.worker_id in dead or (ref.worker_id == self._worker_id and self._lost):
-                continue
-            error = (
-                f"TimeoutError: the attempt ran past its timeout and grace; worker"
-                f" {ref.worker_id} still held it, and {self._worker_id} took it away"
-            )
-            try:
-                taken = await _ops.end.take_overdue(self._redis, self._keys, ref, error, now)
-            except BackendError as exc:  # the next scan tries again
-                self._log.warning("could not end an overdue attempt: %s", exc)
-                continue
-            if taken:
-                self._log.warning(
-                    "took an overdue job attempt away from worker %s",
-                    ref.worker_id,
-                    extra={"queue": ref.queue, "process_id": ref.id},
-                )
-        await _ops.workers.prune_queues(self._redis, self._keys, found.idle)
-        return failed
-
-    def _report_corrupt(self, keys: Sequence[str]) -> None:
-        """Log each key of the wrong type, once a minute at most per key: the scan
-        goes around it every pass, and ``check()`` lists it until it is repaired."""
-        now = time.monotonic()
-        for key in keys:
-            if now - self._reported.get(key, -_REPORT_EVERY) >= _REPORT_EVERY:
-                if len(self._reported) >= 10_000:
-                    self._reported.clear()
-                self._reported[key] = now
-                self._log.warning(
-                    "key %s is not as worqr's layout gives it (a wrong type, or contents"
-                    " it cannot read): left alone; check(repair=True) repairs it",
-                    key,
-                )
-
-    async def _fail_dead(self, worker_id: str, *, only_if_dead: bool) -> bool:
-        """Reclaim the processes of a worker that died, counting the deaths of their
-        tasks; False if it turned out to be alive."""
-        outcome = await _ops.workers.fail_worker(
-            self._redis,
-            self._keys,
-            worker_id,
-            only_if_dead=only_if_dead,
-            quarantine_after=self._quarantine_after,
-            now_ms=self._clock.estimate_ms(),
-        )
-        if outcome is None:
-            return False
-        self._report_corrupt(outcome.corrupt)
-        if any(done.returned or done.quarantined for done in outcome.reclaimed.values()):
-            self._workers_reclaimed += 1  # this peer took its processes (a race has one)
-        for queue, reclaimed in outcome.reclaimed.items():
-            if reclaimed.returned or reclaimed.quarantined:
-                self._stats.note_reclaim(
-                    queue, returned=len(reclaimed.returned), quarantined=len(reclaimed.quarantined)
-                )
-                self._log.warning(
-                    "reclaimed %d task(s) of %s on %r, quarantined %d",
-                    len(reclaimed.returned),
-                    "this worker, whose leases were lost,"
-                    if worker_id == self._worker_id
-                    else f"dead worker {worker_id}",
-                    queue,
-                    len(reclaimed.quarantined),
-                    extra={"queue": queue},
-                )
-        return True
+        return await self._worker.leases.cleanup_workers()
 
     async def check(self, *, repair: bool = False) -> CheckReport:
         """Find what breaks the invariants under this prefix: a process list no worker
@@ -1548,65 +998,12 @@ class Worqr:
         if repair:  # wrong-typed keys first: the other repairs may need those keys
             for problem in sorted(problems, key=lambda p: p.kind != "wrong-type"):
                 try:
-                    await self._repair(problem)
+                    await repair_problem(
+                        self._worker.parts, problem, self._worker.leases, self._timing
+                    )
                 except BackendError as exc:  # the others go on; the next check shows it
                     self._log.warning("could not repair %s: %s", problem.kind, exc)
         return CheckReport(tuple(problems), repaired=repair and bool(problems))
-
-    async def _repair(self, problem: Problem) -> None:
-        r, keys = self._redis, self._keys
-        queue, worker_id, pid = problem.queue, problem.worker_id, problem.process_id
-        if problem.kind == "orphan-process" and queue and pid:
-            await _ops.repairs.return_orphan(r, keys, queue, pid)
-        elif problem.kind == "malformed-process" and queue and pid:
-            await _ops.repairs.trim_process(r, keys, queue, pid)
-        elif problem.kind == "dangling-process-id" and queue and worker_id and pid:
-            await _ops.repairs.drop_process_id(r, keys, queue, worker_id, pid)
-        elif problem.kind == "dead-worker" and worker_id:
-            await self._fail_dead(worker_id, only_if_dead=True)
-        elif problem.kind == "stale-holder" and queue and worker_id:
-            await _ops.repairs.drop_holder(r, keys, queue, worker_id)
-        elif problem.kind == "stale-work-list" and worker_id:
-            await _ops.repairs.drop_work_list(r, keys, worker_id)
-        elif problem.kind == "unregistered-worker" and worker_id:
-            await _ops.commands.register(r, keys.workers, worker_id)
-        elif problem.kind == "unregistered-queue" and queue:
-            await _ops.commands.register(r, keys.queues, queue)
-        elif problem.kind == "wrong-type" and problem.key:
-            kind = keys.type_of(problem.key)
-            if kind is not None:
-                await _ops.repairs.drop_wrong_type(r, problem.key, kind)
-                self._log.warning("deleted %s: it had the wrong type", problem.key)
-        elif problem.kind == "stale-deadline" and queue and pid:
-            await _ops.repairs.drop_deadline(r, keys, queue, pid)
-        elif (
-            problem.kind in ("dangling-job", "unindexed-job", "lost-job") and queue and problem.key
-        ):
-            parsed = keys.parse(problem.key)
-            if parsed is not None and parsed[0] == "j":
-                if problem.kind == "dangling-job":
-                    await _ops.repairs.drop_job_index(r, keys, queue, parsed[2])
-                elif problem.kind == "unindexed-job":
-                    await _ops.repairs.index_job(r, keys, queue, parsed[2])
-                else:
-                    now = await self._clock.now_ms(r)
-                    await _ops.repairs.end_lost_job(r, keys, queue, parsed[2], now)
-        elif problem.kind == "stuck-waiting" and queue and problem.key:
-            parsed = keys.parse(problem.key)
-            if parsed is not None and parsed[0] == "j":
-                await _ops.deps.hand_to_release(r, keys, queue, parsed[2])
-        elif problem.kind == "unreadable-flow" and queue:
-            await _ops.flow.set_rate_limit(r, keys, queue, None, 0)  # what cannot be read
-        elif problem.kind in ("unreadable-schedule", "orphan-schedule") and queue and problem.key:
-            parsed = keys.parse(problem.key)
-            if parsed is not None and parsed[0] == "s" and problem.kind == "orphan-schedule":
-                await _ops.schedules.drop_orphan(r, keys, queue, parsed[2])
-            elif parsed is not None and parsed[0] == "s":
-                await _ops.schedules.drop(r, keys, queue, parsed[2])
-                self._log.warning("removed %s: no worker can run it", problem.key)
-        elif problem.kind == "no-expiry" and problem.key:
-            # An expiry, not a delete: a live worker's next heartbeat renews it.
-            await _ops.repairs.expire_endless(r, problem.key, round(self._worker_timeout * 1000))
 
     @redis_boundary
     async def get_workers(self) -> list[str]:
@@ -1619,168 +1016,6 @@ class Worqr:
         target = self._worker_id if worker_id is None else check_worker_id(worker_id)
         raw = await read(self._redis, "SMEMBERS", self._keys.worker_queues(target))
         return sorted(text(q) for q in raw)
-
-    # -- fencing (called by the supervisor) -------------------------------------------
-
-    def _working_queues(self) -> list[str]:
-        return list(self._working)
-
-    def _leases_lost(self) -> bool:
-        return self._lost
-
-    def _stall_suspects(self, since: float) -> list[str]:
-        """The handlers that ran at some time after ``since`` (monotonic), for the
-        warning about a blocked event loop."""
-        return [suspect for consumer in self._consumers for suspect in consumer.suspects(since)]
-
-    def _lease_lapsed(self) -> bool:
-        """Whether this worker's lease may have run out: lost, or its heartbeat not
-        refreshed within ``worker_timeout`` (peers may be failing it now). A consumer
-        takes and starts no task then."""
-        return self._lost or (self._supervisor is not None and self._supervisor.overdue())
-
-    async def _lose_leases(self, reason: str) -> None:
-        """Fence this worker: every process it held is reported ``lost`` and its
-        handler cancelled; it re-registers once Redis answers."""
-        if self._lost:
-            return
-        self._lost = True
-        self._epoch += 1
-        self._log.warning("worker lost its leases: %s", reason)
-        for consumer in self._consumers:  # their blocks must not fill lists meanwhile
-            consumer._unblock()
-        held, self._held = self._held, {}
-        for process in held.values():  # handlers stop now; listeners hear it on their task
-            self._events.dispatch(process.queue, "lost", process.id)
-        try:
-            await self._recover_leases()
-        except BackendError as exc:
-            self._reach.failed("re-registration deferred", exc)
-
-    async def _recover_leases(self) -> None:
-        """Hand back whatever is still recorded under this worker and register anew.
-
-        One recovery at a time (the fenced finish and the supervisor may both start
-        one): a second one running after the first re-registered would hand back
-        processes taken since, while their handlers run.
-        """
-        async with self._recovering:
-            if not self._lost:
-                return
-            if not await self._fail_dead(
-                self._worker_id, only_if_dead=self._exclusive
-            ) or not await _ops.workers.register_worker(
-                self._redis,
-                self._keys,
-                self._worker_id,
-                max(1, round(self._worker_timeout * 1000)),
-                self._working,
-                exclusive=self._exclusive,
-            ):
-                self._log.warning("worker id is live elsewhere: this worker stays fenced")
-                return
-            self._lost = False
-        if self._supervisor is not None:
-            self._supervisor.refreshed()
-        self._log.info("worker re-registered")
-        for queue in self._working:  # a look, not an announcement: the count is unknown
-            self._events.poke(queue, "work", "")
-
-    async def _recheck_queues(self, looks: dict[str, _ops.workers.QueueLook]) -> None:
-        """Wake this peer's consumers of queues where tasks wait (hooks only), and
-        note the due times of their delayed jobs."""
-        for queue, look in looks.items():
-            if look.waiting:  # a bare work: (a look) when other levels than normal hold some
-                self._events.poke(queue, "work", "" if look.leveled else str(look.waiting))
-            self._promoter.note(queue, look.next_due)
-            if look.released:
-                self._releaser.note(queue)
-        await self._clock.now_ms(self._redis)  # a fresh sample every 30 s
-
-    def _audit_snapshot(self) -> tuple[int, frozenset[str]]:
-        """The lease epoch and the processes this peer holds and is not ending, taken
-        just before the audit's read: each one's dequeue was answered before the read
-        was sent, so Redis recorded it before the read ran."""
-        return self._epoch, frozenset(pid for pid in self._held if pid not in self._ending)
-
-    async def _audit_processes(
-        self,
-        recorded: list[str],
-        snapshot: tuple[int, frozenset[str]],
-        unknown: frozenset[str] = frozenset(),
-    ) -> None:
-        """Reconcile the processes Redis records under this worker with the ones this
-        peer holds (``known``: `_audit_snapshot` before the read).
-
-        Skipped when the leases were lost since the snapshot (the recovery hands back
-        what is recorded). A held process Redis no longer records, that was held before
-        the read and is
-        not being ended, was taken away (a peer that took this worker for dead
-        reclaimed it, or another peer ended it by id): it is reported ``lost``, which
-        stops its handler. A recorded process this peer neither holds nor is
-        dequeuing is a stray (a dequeue whose outcome stayed unknown): it goes back to
-        the front of its queue, newest first so that their order is kept. No clock is
-        involved, so neither a slow link nor a clock step can make a live process look
-        like either. Processes of ``unknown`` queues (whose held set could not be read:
-        a key of the wrong type) are neither: nothing is known of them.
-        """
-        epoch, known = snapshot
-        if epoch != self._epoch or self._lease_lapsed():  # lost meanwhile, or may be: the
-            return  # recovery hands back what is recorded; this read is out of date
-        present = set(recorded)
-        for pid in known - present:
-            process = self._held.get(pid)
-            if (
-                process is None
-                or pid in self._ending
-                or process.queue not in self._working
-                or process.queue in unknown
-            ):
-                continue  # ended meanwhile, being ended, or unknown: not lost
-            del self._held[pid]
-            self._events.dispatch(process.queue, "lost", pid)
-        strays = [
-            ref
-            for pid in present
-            if pid not in self._held
-            and pid not in self._taking
-            and (ref := self._stray_ref(pid)) is not None
-        ]
-        for ref in sorted(strays, key=lambda ref: ref.token, reverse=True):
-            if await _ops.stop.stop(self._once, self._keys, ref, look=True):
-                self._log.warning(
-                    "returned stray process to its queue",
-                    extra={"queue": ref.queue, "process_id": ref.id},
-                )
-
-    def _stray_ref(self, process_id: str) -> ProcessRef | None:
-        try:
-            return parse_process_id(process_id)
-        except InvalidProcessIdError:
-            self._log.warning("ignored a malformed process id %r in Redis", process_id)
-            return None
-
-    async def _after_reconnect(self) -> None:
-        """Messages may have been missed while the subscriber was away: wake the
-        consumers, and end those whose queue was deleted meanwhile."""
-        self._results.wake_all()
-        queues = list(self._working)
-        if not queues:
-            return
-        try:
-            for queue, due in zip(
-                queues, await _ops.promote.next_due(self._redis, self._keys, queues), strict=True
-            ):
-                self._promoter.note(queue, due)
-                self._releaser.note(queue)
-            tokens = await _ops.workers.deletions(self._redis, self._keys, queues)
-        except BackendError as exc:
-            self._reach.failed("re-check after reconnect failed", exc)
-            return
-        for queue, token in zip(queues, tokens, strict=True):
-            # A token that expired since start_work reads None: that is no deletion.
-            deleted = queue in self._working and token not in (None, self._working[queue])
-            self._events.poke(queue, "delete" if deleted else "work", "")
 
     # -- events ------------------------------------------------------------------------
 
@@ -1838,12 +1073,13 @@ class Worqr:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         check_policy(priority)
-        if self._supervisor is None:
+        worker = self._worker
+        if worker.supervisor is None:
             await self.start_worker()
-        supervisor = self._supervisor
+        supervisor = worker.supervisor
         if supervisor is None:  # failed as soon as it started
             return
-        started_here = queue not in self._working
+        started_here = queue not in worker.working
         if started_here:
             with self._closed_under("consume started"):
                 await self.start_work(queue)
@@ -1851,205 +1087,31 @@ class Worqr:
         # came meanwhile must end this call, not leave a consumer nobody stops.
         if self._closed:
             raise ClosedError("this Worqr was closed while consume started")
-        if self._supervisor is not supervisor or queue not in self._working:
+        if worker.supervisor is not supervisor or queue not in worker.working:
             return
-        consumer = Consumer(
-            self, queue, handler, concurrency, self._log, self._reach, policy=priority
-        )
-        self._consumers.add(consumer)
-        self._events.add_hook(queue, consumer.hook)
-        try:
-            await consumer.run()
-        finally:
-            self._consumers.discard(consumer)
-            self._events.remove_hook(queue, consumer.hook)
-            alone = not any(other.queue == queue for other in self._consumers)
-            ours = started_here or consumer.reason == "deleted"  # a deletion ends the work
-            if ours and alone and consumer.reason in (None, "deleted") and not self._closed:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                    await self._quietly(self.stop_work(queue))
+        await worker.consume(queue, handler, concurrency, priority, started_here=started_here)
 
-    async def _settle(
-        self,
-        process: Process,
-        outcome: str,
-        detail: str | None,
-        *,
-        trace: str = "",
-        delay: float | None = None,
-    ) -> None:
-        """Apply a handler's outcome to its process, retrying while Redis refuses it
-        and the lease holds (a lost lease hands every process back anyway).
 
-        ``fail``, ``retry`` (the handler raised `Retry`, ``delay`` from it) and
-        ``timeout`` end the attempt as failed with the error ``detail`` (a job may be
-        tried again); ``refused`` (a result neither str nor None) ends it failed for
-        good; ``cancelled`` finishes a plain task and ends a job as cancelled.
+def runtime(worqr: Worqr) -> Worker:
+    """The worker runtime of ``worqr``, for the ways in that drive a worker themselves:
+    worqr.web's HTTP workers, the command line's handlers, the metrics."""
+    return worqr._worker
 
-        The process stays known to this peer, marked as ending, until Redis has
-        answered: forgotten earlier, the audit would find it recorded but unknown and
-        return it to the queue although its handler is done.
-        """
-        ref = split_process_id(process.id)
-        if await self._fenced(ref):  # reported lost with the rest of the worker's leases
-            return
-        action: Callable[[], Awaitable[object]]
-        if outcome == "cancelled" and process.envelope is not None:
-            action = lambda: self._fail_process(  # noqa: E731
-                ref, _ops.writes.CANCELLED, final=True, known=process.stored
-            )
-        elif outcome in ("finish", "cancelled"):
-            result = detail if outcome == "finish" else None
-            action = lambda: self._finish_batched(process, ref, result)  # noqa: E731
-        elif outcome == "refused":  # the handler's work is done: never tried again
-            action = lambda: self._fail_process(  # noqa: E731
-                ref, detail or "", final=True, known=process.stored
-            )
-        elif outcome in ("fail", "retry", "timeout"):
-            action = lambda: self._fail_process(  # noqa: E731
-                ref, detail or "", trace=trace, delay=delay, known=process.stored
-            )
-        elif outcome == "requeue":
-            action = lambda: self.stop_process(process)  # noqa: E731
-        else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
-            self._held.pop(process.id, None)
-            return
-        if self._closed:
-            return
-        kept = False
-        try:
-            with self._ending_process(process.id):
-                kept = await self._settle_with_retries(process, outcome, action)
-        finally:
-            if not kept:
-                self._held.pop(process.id, None)
 
-    async def _settle_with_retries(
-        self, process: Process, outcome: str, action: Callable[[], Awaitable[object]]
-    ) -> bool:
-        """Run ``action`` until it succeeds or the lease is lost (a slot migrating on a
-        Cluster can refuse it for longer than ``worker_timeout`` while the heartbeat,
-        in another slot, goes on; given up, the audit would run the task again); True when
-        it met a key of the wrong type: then the process stays held by this worker
-        (forgotten, the audit would return it to the queue and run it again and again)
-        until the key is repaired and the worker hands it back."""
-        epoch = self._epoch
-        try:  # outside any cancel scope: the common case costs no timer
-            await action()
-            return False
-        except CorruptDataError as exc:
-            self._settle_failed(process, outcome, exc)
-            self._report_corrupt([exc.key or f"a key of queue {process.queue!r}"])
-            return True
-        except BackendError as exc:
-            self._settle_failed(process, outcome, exc)
-        except Exception as exc:  # a stored value that breaks the outcome's writes
-            return await self._settle_broken(process, exc)
-        backoff = 0.05
-        while True:  # as long as the lease holds: giving up would run the task again
-            await anyio.sleep(backoff)
-            if epoch != self._epoch or self._lost or self._closed:
-                return False
-            try:
-                await action()
-                return False
-            except CorruptDataError as exc:
-                self._settle_failed(process, outcome, exc)
-                return True
-            except BackendError as exc:
-                self._settle_failed(process, outcome, exc)
-            except Exception as exc:
-                return await self._settle_broken(process, exc)
-            backoff = min(backoff * 2, 1.0)
-
-    async def _settle_broken(self, process: Process, exc: Exception) -> bool:
-        """End an attempt whose outcome could not be written for a reason other than
-        Redis (a value in the job's envelope out of range): to the failed list, for
-        good, rather than back to the queue to fail the same way again; True (keep
-        it held) if even that fails."""
-        self._log.exception(
-            "could not apply a handler's outcome; failing the attempt for good",
-            extra={"queue": process.queue, "process_id": process.id},
-        )
-        ref = split_process_id(process.id)
-        error = f"cannot apply the outcome: {type(exc).__name__}: {exc}"
-        try:
-            await self._fail_process(ref, error, final=True, known=process.stored)
-        except Exception:
-            self._log.exception("could not fail the attempt either; it stays held")
-            return True
-        return False
-
-    def _settle_failed(self, process: Process, outcome: str, exc: BackendError) -> None:
-        self._reach.failed(f"could not {outcome} process {process.id}", exc, queue=process.queue)
-
-    async def _finish_batched(self, process: Process, ref: ProcessRef, result: str | None) -> bool:
-        """Finish a process this peer dequeued, together with the other processes of
-        its queue that end in the same moment (one transaction per batch)."""
-        queue = process.queue
-        finisher = self._finishers.get(queue)
-        if finisher is None:
-
-            async def write(done: Sequence[tuple[Process, str | None]]) -> list[bool]:
-                if self._lost:
-                    return [False] * len(done)
-                now = self._clock.estimate_ms()
-                return await _ops.end.finish_many(
-                    self._redis, self._keys, self._worker_id, queue, done, now
-                )
-
-            finisher = self._finishers[queue] = GroupCommit(write, _FINISH_BATCH)
-        try:
-            finished = await finisher.submit((process, result))
-        finally:
-            if finisher.idle and self._finishers.get(queue) is finisher:
-                del self._finishers[queue]  # made again on the next finish: none kept idle
-        if not finished:
-            await self._fenced(ref)  # gone: see `_fail_process`
-        self._note(ref, process.task if finished else None, failed=False)
-        return finished
-
-    async def _fail_process(
-        self,
-        ref: ProcessRef,
-        error: str,
-        *,
-        trace: str = "",
-        delay: float | None = None,
-        final: bool = False,
-        known: str | None = None,
-    ) -> bool:
-        if await self._fenced(ref):
-            return False
-        now = await self._clock.now_ms(self._redis)
-        with self._ending_process(ref.id):
-            task = await _ops.end.fail(
-                self._redis,
-                self._keys,
-                ref,
-                error,
-                now,
-                trace=trace,
-                delay=delay,
-                final=final,
-                known=known,
-            )
-        if task is None:  # gone: if the lease lapsed while the end was on its way (a peer
-            await self._fenced(ref)  # reclaimed it), it is reported lost with the rest
-        self._held.pop(ref.id, None)
-        self._note(ref, task, failed=True)
-        return task is not None
-
-    def _note(self, ref: ProcessRef, task: str | None, *, failed: bool) -> None:
-        """Count a process this peer ended, and keep its dequeue-to-end time."""
-        if task is None:
-            return
-        mine = ref.worker_id == self._worker_id
-        duration = max(0.0, time.time() - ref.dequeued_at) if mine else None
-        self._stats.note(ref.queue, failed=failed, duration=duration)
-
-    async def _quietly(self, work: Awaitable[object]) -> None:
-        try:
-            await work
-        except BackendError as exc:
-            self._log.warning("cleanup step failed: %s", exc)
+def twin(base: Worqr, worker_id: str | None) -> Worqr:
+    """A `Worqr` on ``base``'s client, prefix, timing and payload limit, for an HTTP
+    worker (worqr.web): its id, live elsewhere, is refused (`WorkerLiveError`; a lost
+    lease then stays lost) rather than taken over, since another app of the fleet may
+    hold it."""
+    timing = base._timing
+    made = Worqr(
+        base._given,
+        worker_id=worker_id,
+        prefix=base.prefix,
+        heartbeat_interval=timing.heartbeat_interval,
+        worker_timeout=timing.worker_timeout,
+        cleanup_interval=timing.cleanup_interval,
+        max_payload_bytes=base.max_payload_bytes,
+    )
+    made._worker.leases.exclusive = True
+    return made

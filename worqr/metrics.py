@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - the extra is part of the dev in
 
 from ._layout.models import QueueStatistics, WorkerInfo
 from ._peer.stats import BOUNDS
-from ._worqr import Worqr
+from ._worqr import Worqr, runtime
 
 __all__ = ["CONTENT_TYPE", "WorqrCollector", "scrape"]
 
@@ -113,7 +113,7 @@ class WorqrCollector(Collector):
             "Dequeue to end of the processes this peer held.",
             labels=labels,
         )
-        for queue, record in self._worqr._stats.items():
+        for queue, record in runtime(self._worqr).parts.stats.items():
             values = [worker, queue]
             finished.add_metric(values, record.completed)
             failed.add_metric(values, record.failed)
@@ -129,7 +129,7 @@ class WorqrCollector(Collector):
             "Dead workers whose processes this peer reclaimed.",
             labels=["worker"],
         )
-        workers.add_metric([worker], self._worqr._workers_reclaimed)
+        workers.add_metric([worker], runtime(self._worqr).leases.workers_reclaimed)
         yield from (finished, failed, reclaimed, quarantined, durations, workers)
 
 

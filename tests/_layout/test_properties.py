@@ -52,6 +52,7 @@ from worqr import (
     WorqrError,
 )
 from worqr._layout.names import parse_process_id
+from worqr._worqr import runtime
 
 from ..helpers import eventually, raw_keys
 
@@ -662,7 +663,7 @@ async def recovered(redis: Redis, prefix: str, peer: Worqr, working: set[str]) -
     alive = f"{prefix}:w:{{{peer.worker_id}}}:alive"
 
     async def back() -> bool:
-        if peer._leases_lost() or not await redis.exists(alive):
+        if runtime(peer).leases_lost() or not await redis.exists(alive):
             return False
         listed = await redis.sismember(f"{prefix}:workers", peer.worker_id)
         queues = await redis.smembers(f"{prefix}:w:{{{peer.worker_id}}}:queues")
@@ -801,7 +802,7 @@ class QueueSystem(RuleBasedStateMachine):
             return partial(peer.finish_process, target, result)
         if how == "stop":
             return partial(peer.stop_process, target)
-        return partial(peer._fail_process, parse_process_id(process.id), "boom")
+        return partial(runtime(peer).fail_process, parse_process_id(process.id), "boom")
 
     def ended_by(self, how: str, process: Process) -> None:
         """Model of a process that was finished, stopped or failed."""

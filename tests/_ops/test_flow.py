@@ -8,6 +8,7 @@ from redis.asyncio import Redis
 
 from worqr import Process, Worqr
 from worqr._layout.flow import RateLimit
+from worqr._worqr import runtime
 
 from ..helpers import Factory, consuming, eventually
 from ..proxy import LatencyProxy
@@ -40,7 +41,7 @@ async def test_consumers_sleep_while_paused_and_wake_on_resume(make: Factory) ->
     await producer.pause_queue("q")
     await producer.enqueue("q", [str(i) for i in range(5)])
     async with consuming(worker, handler, queue="q", concurrency=3):
-        await eventually(lambda: "q" in worker._working)
+        await eventually(lambda: "q" in runtime(worker).working)
         await anyio.sleep(0.3)
         assert ran == []
         await producer.resume_queue("q")

@@ -48,6 +48,7 @@ from worqr import (
 from worqr._layout.envelope import MARKER
 from worqr._layout.names import new_process_id
 from worqr._redis.connections import Client
+from worqr._worqr import runtime
 from worqr.testing import EmbeddedServer
 
 from ..helpers import FAST, RELAXED, Factory, eventually, patch_everywhere, raw_keys
@@ -159,7 +160,7 @@ async def test_a_delayed_entry_scored_infinity_does_not_stop_promotion(
     await real_client.zadd(key(prefix, "delayed"), {envelope(header("never-1"), "never"): math.inf})
     await real_client.sadd(f"{prefix}:queues", Q)
     async with consuming(worker, ok):
-        await eventually(lambda: Q in worker._working)
+        await eventually(lambda: Q in runtime(worker).working)
         soon = await producer.submit(Q, "soon", delay=0.2)
         assert await soon.result(timeout=5) == "ok"
         later = await producer.submit(Q, "later", delay=0.2)
@@ -192,7 +193,7 @@ async def test_a_delayed_event_with_a_huge_due_time_does_not_kill_the_peer(
     shrug it off (it is only a hint) and keep promoting."""
     worker, producer = real_make(), real_make()
     async with consuming(worker, ok):
-        await eventually(lambda: Q in worker._working)
+        await eventually(lambda: Q in runtime(worker).working)
         await real_client.publish(key(prefix, "events"), "delayed:" + "9" * 400)
         await anyio.sleep(0.2)
         job = await producer.submit(Q, "after", delay=0.2)
@@ -278,7 +279,7 @@ async def test_a_far_future_due_time_does_not_kill_the_queues_workers(
     Whatever happens to that job, the workers of the queue must go on."""
     worker, producer = real_make(), real_make()
     async with consuming(worker, ok):
-        await eventually(lambda: Q in worker._working)
+        await eventually(lambda: Q in runtime(worker).working)
         with contextlib.suppress(Exception):
             await producer.submit(Q, "far", at=10**310)
         await anyio.sleep(0.2)
@@ -422,14 +423,14 @@ async def test_a_stray_process_of_a_cancelled_job_is_not_put_back(
     worker, producer = real_make(), real_make()
     await worker.start_worker()
     await worker.start_work(Q)
-    audit = worker._audit_processes
+    audit = runtime(worker).audit_processes
     cancelled = asyncio.Event()
 
     async def gated(*args: Any) -> None:
         await cancelled.wait()
         await audit(*args)
 
-    monkeypatch.setattr(worker, "_audit_processes", gated)
+    monkeypatch.setattr(runtime(worker), "audit_processes", gated)
     job = await producer.submit(Q, "x", job_id="s-1")
     # A dequeue for this worker that it never heard of: what a late EXEC leaves.
     (stray,) = await worqr._ops.dequeue.dequeue(
@@ -848,7 +849,7 @@ async def test_many_peers_promote_each_due_job_once_and_never_early(
         for worker in workers:
             tg.start_soon(functools.partial(worker.consume, Q, handler, concurrency=8))
         for worker in workers:
-            await eventually(lambda w=worker: Q in w._working)
+            await eventually(lambda w=worker: Q in runtime(w).working)
         start = await server_ms(real_client)
         jobs: list[Job] = []
         for offset in (300, 300, 500):

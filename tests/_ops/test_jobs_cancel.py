@@ -9,6 +9,8 @@ import time
 import pytest
 
 from worqr import JobFailedError, JobStatus, Process, Worqr
+from worqr._layout.names import parse_process_id
+from worqr._worqr import runtime
 
 from ..helpers import Factory, eventually
 
@@ -67,7 +69,7 @@ async def test_a_dead_workers_cancelled_job_is_not_run_again(make: Factory) -> N
 
 async def test_retrying_a_failed_job_leaves_a_new_life_of_its_id_alone(make: Factory) -> None:
     worker, process = await _running(make, "j4")
-    await worker._fail_process(worker._ref(process), "RuntimeError: no")
+    await runtime(worker).fail_process(parse_process_id(process.id), "RuntimeError: no")
     [failed] = await worker.get_failed("q")
     assert (failed.job_id, failed.attempts) == ("j4", 1)
     await worker.submit("q", "second life", job_id="j4")
@@ -96,7 +98,7 @@ async def test_a_stray_process_of_a_cancelled_job_is_dropped_not_returned(
         worker._redis, worker._once, worker._keys, worker.worker_id, "q"
     )
     assert await job.cancel()
-    await worker._audit_processes([stray.id], worker._audit_snapshot())
+    await runtime(worker).audit_processes([stray.id], runtime(worker).audit_snapshot())
     assert await worker.get_tasks("q") == []
     assert await worker.get_processes("q") == []
     assert await job.status() == JobStatus.FAILED

@@ -12,6 +12,7 @@ import pytest
 
 from worqr import Process, Worqr
 from worqr._layout.levels import Picker
+from worqr._worqr import runtime
 
 from ..helpers import Factory, consuming, eventually, texts
 
@@ -198,7 +199,7 @@ async def test_an_idle_worker_wakes_for_work_of_any_level(make: Factory) -> None
         ran.append(process.task)
 
     async with consuming(worker, handler, queue="q", concurrency=4):
-        await eventually(lambda: "q" in worker._working)
+        await eventually(lambda: "q" in runtime(worker).working)
         await anyio.sleep(0.05)
         await producer.enqueue("q", "h", priority="high")
         await eventually(lambda: ran == ["h"], within=2)

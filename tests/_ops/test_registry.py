@@ -18,6 +18,7 @@ from worqr._layout.keys import Keys
 from worqr._ops.workers import prune_queues
 from worqr._peer.stats import LocalStats
 from worqr._redis.connections import Client
+from worqr._worqr import runtime
 from worqr.testing import EmbeddedServer
 
 from ..helpers import Factory, eventually, works_on
@@ -167,7 +168,7 @@ async def test_a_worker_that_missed_a_delete_learns_of_it_on_reconnect(
         await _ops.queues.delete_queue(admin._redis, admin._once, muted, "jobs")
         await anyio.sleep(0.3)
         assert await works_on(worker, ["idle", "jobs"])  # the event never came
-        await worker._after_reconnect()
+        await runtime(worker).after_reconnect()
         await eventually(lambda: works_on(worker, ["idle"]), within=20)
         tg.cancel_scope.cancel()
 
@@ -234,12 +235,12 @@ async def test_a_peer_touching_many_transient_queues_stays_small(real_make: Fact
             await eventually(lambda: _no_finishers(worker))
             await worker.stop_work(queue)
             tg.cancel_scope.cancel()
-    assert not worker._working
-    assert len(worker._stats) == 60
+    assert not runtime(worker).working
+    assert len(runtime(worker).parts.stats) == 60
 
 
 async def _no_finishers(worqr: Worqr) -> bool:
-    return not worqr._finishers
+    return not runtime(worqr).settler.finishers
 
 
 def test_a_peers_statistics_keep_the_most_recent_queues() -> None:
@@ -280,7 +281,7 @@ async def test_a_queue_consumed_twice_and_deleted_is_not_taken_for_deleted_again
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.consume, "jobs", later)
         await eventually(lambda: works_on(worker, ["jobs"]))
-        await worker._after_reconnect()
+        await runtime(worker).after_reconnect()
         await admin.enqueue("jobs", "t")
         with anyio.fail_after(5):
             await done.wait()

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from worqr import BackendUnavailableError, Process, Worqr, _ops
 from worqr._peer import consumer as consumer_module
+from worqr._worqr import runtime
 
 from ..helpers import FAST, Factory, eventually, works_on
 from ..proxy import LatencyProxy
@@ -33,13 +34,13 @@ def hold_ends(
 ) -> None:
     """Hold the end of each of ``worker``'s processes until ``gate(process)`` is set;
     the real end follows."""
-    settle = worker._settle
+    settle = runtime(worker).settle
 
     async def held(process: Process, outcome: str, *args: Any, **kwargs: Any) -> None:
         await gate(process).wait()
         await settle(process, outcome, *args, **kwargs)
 
-    monkeypatch.setattr(worker, "_settle", held)
+    monkeypatch.setattr(runtime(worker), "settle", held)
 
 
 async def test_handlers_finish_with_their_result(make: Factory) -> None:
@@ -494,8 +495,8 @@ async def test_a_worker_back_from_a_stall_starts_nothing_its_lease_may_not_cover
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: stalled.consume("jobs", handler))
-        await eventually(lambda: "jobs" in stalled._working)
-        supervisor = stalled._supervisor
+        await eventually(lambda: "jobs" in runtime(stalled).working)
+        supervisor = runtime(stalled).supervisor
         assert supervisor is not None
         supervisor._last_refresh -= 10  # as after a 10 s SIGSTOP
         await producer.enqueue("jobs", "t")
@@ -528,7 +529,7 @@ async def test_tasks_of_one_take_that_meet_a_lapsed_lease_go_back_in_order(
     async def handler(process: Process) -> None:
         started.append(process.task)
         if started == ["a"]:
-            supervisor = worker._supervisor
+            supervisor = runtime(worker).supervisor
             assert supervisor is not None
             supervisor._last_refresh -= 10
 

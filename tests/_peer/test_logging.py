@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import Process, Worqr
+from worqr._worqr import runtime
 from worqr.cli.tasklog import talk
 from worqr.testing import EmbeddedServer
 
@@ -79,7 +80,9 @@ async def test_a_handler_that_blocks_the_loop_is_named_once_and_its_refused_end_
     async with Worqr(
         client, prefix=prefix, heartbeat_interval=0.2, worker_timeout=1.0, cleanup_interval=0.3
     ) as worker:
-        handler = talk(blocker, lambda: False, worker.max_payload_bytes, worker._lease_lapsed)
+        handler = talk(
+            blocker, lambda: False, worker.max_payload_bytes, runtime(worker).lease_lapsed
+        )
         await worker.enqueue("q", "sleepy")
         with caplog.at_level(logging.WARNING, logger="worqr"):
             async with consuming(worker, handler, queue="q"):
@@ -184,7 +187,7 @@ async def test_an_outage_logs_one_warning_as_it_starts_and_one_with_the_count_as
 
 
 def _consuming(workers: list[Worqr]) -> bool:
-    return all(bool(w._consumers) for w in workers)
+    return all(bool(runtime(w).consumers) for w in workers)
 
 
 def _failures(caplog: pytest.LogCaptureFixture, worker: Worqr) -> int:

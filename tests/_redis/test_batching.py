@@ -16,6 +16,7 @@ from worqr import Process, Worqr, _ops
 from worqr._layout.keys import Keys
 from worqr._layout.names import parse_process_id
 from worqr._redis.batch import GroupCommit
+from worqr._worqr import runtime
 from worqr.testing import EmbeddedServer
 
 from ..helpers import Factory, eventually, raw_keys
@@ -188,7 +189,7 @@ async def test_a_worker_fails_over_with_processes_taken_in_one_batch(make: Facto
     await crashed.start_worker()
     await crashed.start_work("jobs")
     await crashed.enqueue("jobs", ["a", "b", "c", "d"])
-    taken = await crashed._take("jobs", 3)
+    taken = await runtime(crashed).take("jobs", 3)
     assert [p.task for p in taken] == ["a", "b", "c"]
     await crashed.fail_worker()
     assert await survivor.get_tasks("jobs") == ["a", "b", "c", "d"]

@@ -109,7 +109,9 @@ async def _run_fleet(
             await anyio.sleep(0.003)
         with contextlib.suppress(TimeoutError):  # what is missing then is reported as lost
             await eventually(lambda: bool(outcome), within=120)
-            await progressing(lambda: len(ledger.acked.keys() & ledger.done.keys()), len(ledger.acked))
+            await progressing(
+                lambda: len(ledger.acked.keys() & ledger.done.keys()), len(ledger.acked)
+            )
         await anyio.sleep(1.0)  # let late duplicates show
         tg.cancel_scope.cancel()
     return ledger, outcome[0], producer

@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from worqr import DuplicateTaskError, Process, Worqr
+from worqr._worqr import runtime
 
 from ..helpers import FAST, RELAXED, eventually, raw_keys
 from ..proxy import LatencyProxy
@@ -166,7 +167,7 @@ async def test_delete_and_check_repair_on_a_busy_queue_run_nothing_twice(
                 report = await admin.check(repair=True)
                 assert report.problems == ()  # nothing on a healthy fleet, however slow
         await admin.delete_queue("jobs")
-        await eventually(lambda: not any(w._consumers for w in workers), within=10)
+        await eventually(lambda: not any(runtime(w).consumers for w in workers), within=10)
         tg.cancel_scope.cancel()
     assert [task for task, runs in ledger.runs.items() if runs != 1] == []
     assert await no_processes(real_client, prefix)

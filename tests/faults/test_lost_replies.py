@@ -12,6 +12,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from worqr import BackendUnavailableError, Worqr
+from worqr._worqr import runtime
 from worqr.testing import EmbeddedServer
 
 from ..helpers import FAST, raw_keys
@@ -64,7 +65,7 @@ async def test_batch_dequeue_whose_reply_was_lost_adopts_every_process(
         await worqr.start_work("jobs")
         await worqr.enqueue("jobs", ["t1", "t2", "t3", "t4"])
         proxy.lose_next_exec_reply()
-        taken = await worqr._take("jobs", 3)
+        taken = await runtime(worqr).take("jobs", 3)
         assert proxy.dropped == 1
         assert [p.task for p in taken] == ["t1", "t2", "t3"]  # adopted, not taken twice
         state = await raw_keys(direct, "lossyk")

@@ -20,6 +20,8 @@ from redis.asyncio import Redis
 from worqr import BackendUnavailableError, ClosedError, Process, Worqr, _ops
 from worqr._layout.keys import Keys
 from worqr._ops.check import Problem
+from worqr._peer.repairs import repair_problem
+from worqr._worqr import runtime
 
 from ..helpers import FAST, RELAXED, Factory, eventually, raw_keys, reap
 from ..proxy import LatencyProxy
@@ -134,7 +136,9 @@ async def test_repair_of_a_stale_orphan_finding_leaves_a_live_process_alone(
     process = await worqr.dequeue("jobs")
     assert process is not None
     # What a SCAN that missed the held set (created while it ran) reports:
-    await worqr._repair(Problem("orphan-process", "stale", "jobs", worqr.worker_id, process.id))
+    stale = Problem("orphan-process", "stale", "jobs", worqr.worker_id, process.id)
+    worker = runtime(worqr)
+    await repair_problem(worker.parts, stale, worker.leases, worker.timing)
     assert await worqr.get_tasks("jobs") == ["t2"]
     assert await worqr.finish_process(process)
 
@@ -181,9 +185,9 @@ async def test_a_batch_handed_back_after_a_lease_loss_during_its_dequeue_keeps_i
     await worqr.enqueue("jobs", ["t1", "t2", "t3", "t4"])
     proxy.hold_next_exec(0.3)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(worqr._take, "jobs", 3)
+        tg.start_soon(runtime(worqr).take, "jobs", 3)
         await eventually(lambda: proxy.held == 1)
-        await worqr._lose_leases("test: lost while the dequeue was on its way")
+        await runtime(worqr).lose_leases("test: lost while the dequeue was on its way")
     assert await worqr.get_tasks("jobs") == ["t1", "t2", "t3", "t4"]
 
 
@@ -288,7 +292,7 @@ async def test_concurrent_consume_calls_start_one_supervisor(make: Factory) -> N
     async with anyio.create_task_group() as tg:
         tg.start_soon(worqr.consume, "a", handler)
         tg.start_soon(worqr.consume, "b", handler)
-        await eventually(lambda: len(worqr._consumers) == 2)
+        await eventually(lambda: len(runtime(worqr).consumers) == 2)
         await worqr.fail_worker()
         await anyio.sleep(FAST["worker_timeout"] * 2)  # a second supervisor re-registers
         assert await worqr.get_workers() == []
@@ -403,13 +407,13 @@ async def test_consume_racing_a_fail_or_stop_never_runs_unsupervised(
             await worqr.stop_work("jobs")
         await anyio.sleep(FAST["worker_timeout"] * 2)
         if not ended.is_set():
-            assert worqr._consumers
-            assert worqr._supervisor is not None
-            assert "jobs" in worqr._working
+            assert runtime(worqr).consumers
+            assert runtime(worqr).supervisor is not None
+            assert "jobs" in runtime(worqr).working
             assert await real_client.exists(Keys(prefix).heartbeat(worqr.worker_id))
             assert await worqr.get_working_queues() == ["jobs"]
         else:
-            assert not worqr._consumers
+            assert not runtime(worqr).consumers
         tg.cancel_scope.cancel()
 
 
@@ -482,7 +486,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
 
     async def late(*args: object, **kwargs: object) -> object:
         """The stall, between the end's lease check and its write."""
-        supervisor = worker._supervisor
+        supervisor = runtime(worker).supervisor
         assert supervisor is not None
         supervisor._last_refresh -= 10.0  # the loop was away for 10 s
         await real_client.delete(Keys(prefix).heartbeat(worker.worker_id))
@@ -492,9 +496,9 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
 
     monkeypatch.setattr(_ops.end, "finish_many" if how == "finish" else "fail", late)
     if how == "finish":
-        await worker._settle(taken, "finish", "ok")
+        await runtime(worker).settle(taken, "finish", "ok")
     else:
-        await worker._settle(taken, "fail", "boom")
+        await runtime(worker).settle(taken, "fail", "boom")
     assert stalled.is_set()
     assert lost == [taken.id]
     assert await worker.get_tasks("jobs") == ["t"]  # handed back once, to run again

@@ -34,13 +34,13 @@ _REFUSED = "refused"  # the handler's result cannot be stored: failed, not tried
 
 
 class Host(Protocol):
-    """What a consumer needs from the `Worqr` that runs it."""
+    """What a consumer needs from the worker that runs it (`_peer.worker.Worker`)."""
 
-    async def _take(
+    async def take(
         self, queue: str, count: int, *, announced: bool, policy: str, normal: bool = True
     ) -> list[Process]: ...
 
-    async def _settle(
+    async def settle(
         self,
         process: Process,
         outcome: str,
@@ -50,13 +50,13 @@ class Host(Protocol):
         delay: float | None = None,
     ) -> None: ...
 
-    def _report_corrupt(self, keys: Sequence[str]) -> None: ...
+    def report_corrupt(self, keys: Sequence[str]) -> None: ...
 
-    def _can_block(self, queue: str) -> bool: ...
+    def can_block(self, queue: str) -> bool: ...
 
-    async def _block_take(self, queue: str, received: Callable[[], None]) -> list[Process]: ...
+    async def block_take(self, queue: str, received: Callable[[], None]) -> list[Process]: ...
 
-    def _lease_lapsed(self) -> bool: ...
+    def lease_lapsed(self) -> bool: ...
 
     @property
     def max_payload_bytes(self) -> int: ...
@@ -171,13 +171,13 @@ class Consumer:
     def _halt(self, outcome: str | None) -> None:
         """Stop taking work and, given an ``outcome``, end the running handlers with it."""
         self._taking = False
-        self._unblock()
+        self.unblock()
         if outcome is not None:
             for pid in list(self._running):
                 self._end(pid, outcome)
         self._wake.set()
 
-    def _unblock(self) -> None:
+    def unblock(self) -> None:
         """Stop the blocking take, if one waits (it gives its id up as it ends); one
         that received its task already goes on to start it."""
         if self._blocker is not None and self._block_waiting:
@@ -263,7 +263,7 @@ class Consumer:
                 await self._sleep(exc.wait)
                 continue
             except CorruptDataError as exc:  # logged once a minute: it lasts until repaired
-                self._host._report_corrupt([exc.key or f"a key of queue {self.queue!r}"])
+                self._host.report_corrupt([exc.key or f"a key of queue {self.queue!r}"])
                 await anyio.sleep(_MAX_BACKOFF)
                 continue
             except BackendError as exc:
@@ -282,7 +282,7 @@ class Consumer:
         with anyio.move_on_after(_HAND_BACK_LIMIT):
             for process in reversed([process for process, _ in self._running.values()]):
                 self._running.pop(process.id, None)
-                await self._host._settle(process, "requeue", None)
+                await self._host.settle(process, "requeue", None)
         self._check_idle()
 
     def _arm(self) -> None:
@@ -292,7 +292,7 @@ class Consumer:
         if (
             self._blocker is None
             and self._free() > self._asked
-            and self._host._can_block(self.queue)
+            and self._host.can_block(self.queue)
         ):
             self._blocked_cancels, self._claimed = set(), False
             self._block_waiting = True
@@ -321,9 +321,9 @@ class Consumer:
         """The blocking take, then its task's handler; wakes the loop either way."""
         taken: list[Process] = []
         try:
-            taken = await self._host._block_take(self.queue, self._received)
+            taken = await self._host.block_take(self.queue, self._received)
         except asyncio.CancelledError:
-            return  # `_unblock`: the take gave its id up
+            return  # `unblock`: the take gave its id up
         except Exception as exc:  # its own failures are handled inside: not expected
             self._reach.failed("blocking take failed", exc, queue=self.queue)
             return
@@ -338,7 +338,7 @@ class Consumer:
             self._returning += 1
             try:
                 for process in reversed(taken):
-                    await self._host._settle(process, "requeue", None)
+                    await self._host.settle(process, "requeue", None)
             finally:
                 self._returning -= 1
                 self._backlog = True
@@ -383,7 +383,7 @@ class Consumer:
         and a handler ending wakes it only while a backlog may remain: an idle
         worker spends one round trip per task on taking it, none on looking again.
         """
-        if self._host._lease_lapsed():  # back from a stall: nothing until re-registered
+        if self._host.lease_lapsed():  # back from a stall: nothing until re-registered
             return False  # (the recovery announces a look at every queue)
         announced, self._announced = min(self._announced, free), 0
         if self._look_first:  # tasks of a higher level may come before the announced
@@ -396,7 +396,7 @@ class Consumer:
             # back to the front before it returns (what it cannot reach, the audit
             # returns at its next cleanup tick).
             with anyio.move_on_after(_TAKE_LIMIT):
-                taken = await self._host._take(
+                taken = await self._host.take(
                     self.queue,
                     count,
                     announced=bool(announced),
@@ -417,10 +417,10 @@ class Consumer:
         for position, process in enumerate(taken):
             if not self._taking:
                 for late in reversed(taken[position:]):
-                    await self._host._settle(late, "requeue", None)
+                    await self._host.settle(late, "requeue", None)
                 return
             if process.stored in cancelled:
-                await self._host._settle(process, "cancelled", None)
+                await self._host.settle(process, "cancelled", None)
                 continue
             self._start(process)
 
@@ -439,7 +439,7 @@ class Consumer:
             self._idle = anyio.Event()
 
     async def _run_one(self, process: Process) -> None:
-        if self._host._lease_lapsed():
+        if self._host.lease_lapsed():
             # The worker stalled past worker_timeout (a SIGSTOP, a blocked event loop)
             # between the dequeue and now: peers may be handing this process back
             # already, so its handler must not start. It goes back to the front of its
@@ -508,7 +508,7 @@ class Consumer:
         if self._backlog:
             self._wake.set()
         try:  # no shield needed: only `_end` cancels this task, and not after the pop
-            await self._host._settle(process, outcome, detail, trace=trace, delay=delay)
+            await self._host.settle(process, outcome, detail, trace=trace, delay=delay)
         finally:
             self._settling -= 1
             self._check_idle()

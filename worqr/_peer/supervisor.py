@@ -27,33 +27,33 @@ _RANDOM = random.Random()  # not the module's generator, which the application o
 
 
 class Host(Protocol):
-    """What the loops need from the `Worqr` that runs them."""
+    """What the loops need from the worker that runs them (`_peer.worker.Worker`)."""
 
     @property
     def worker_id(self) -> str: ...
 
-    async def _lose_leases(self, reason: str) -> None: ...
+    async def lose_leases(self, reason: str) -> None: ...
 
-    async def _recover_leases(self) -> None: ...
+    async def recover_leases(self) -> None: ...
 
     async def cleanup_workers(self) -> list[str]: ...
 
-    async def _recheck_queues(self, looks: dict[str, _ops.workers.QueueLook]) -> None: ...
+    async def recheck_queues(self, looks: dict[str, _ops.workers.QueueLook]) -> None: ...
 
-    def _audit_snapshot(self) -> tuple[int, frozenset[str]]: ...
+    def audit_snapshot(self) -> tuple[int, frozenset[str]]: ...
 
-    async def _audit_processes(
+    async def audit_processes(
         self,
         recorded: list[str],
         snapshot: tuple[int, frozenset[str]],
         unknown: frozenset[str] = frozenset(),
     ) -> None: ...
 
-    def _working_queues(self) -> list[str]: ...
+    def working_queues(self) -> list[str]: ...
 
-    def _leases_lost(self) -> bool: ...
+    def leases_lost(self) -> bool: ...
 
-    def _stall_suspects(self, since: float) -> list[str]: ...
+    def stall_suspects(self, since: float) -> list[str]: ...
 
 
 class Supervisor:
@@ -125,22 +125,22 @@ class Supervisor:
             stalled = self.overdue()
             sent_at = time.monotonic()
             try:
-                if host._leases_lost():
-                    await host._recover_leases()
+                if host.leases_lost():
+                    await host.recover_leases()
                     continue
                 alive = await _ops.workers.heartbeat(
                     self._client, keys, host.worker_id, self.timeout_ms
                 )
             except BackendError as exc:
                 self._reach.failed("heartbeat failed", exc)
-                if stalled and not host._leases_lost():
-                    await host._lose_leases("heartbeat not refreshed within worker_timeout")
+                if stalled and not host.leases_lost():
+                    await host.lose_leases("heartbeat not refreshed within worker_timeout")
                 continue
             self._reach.answered()
             if not alive:
-                await host._lose_leases("heartbeat expired")
+                await host.lose_leases("heartbeat expired")
             elif stalled:
-                await host._lose_leases("heartbeat not refreshed within worker_timeout")
+                await host.lose_leases("heartbeat not refreshed within worker_timeout")
             else:
                 self.refreshed(sent_at)
 
@@ -160,7 +160,7 @@ class Supervisor:
                 stalled = False
             elif not stalled:
                 stalled = True
-                self._stalled(lag, self._host._stall_suspects(now - lag))
+                self._stalled(lag, self._host.stall_suspects(now - lag))
 
     def _stalled(self, lag: float, suspects: list[str]) -> None:
         """Log a stall of ``lag`` seconds, during which ``suspects`` ran."""
@@ -181,22 +181,22 @@ class Supervisor:
         lease_ms = max(1, round(self._cleanup_interval * 850))
         while True:
             await anyio.sleep(self._cleanup_interval * _RANDOM.uniform(0.9, 1.0))
-            if host._leases_lost():
+            if host.leases_lost():
                 continue
             try:
                 if await _ops.workers.acquire_supervision(
                     self._client, keys, host.worker_id, lease_ms
                 ):
                     await host.cleanup_workers()
-                queues = host._working_queues()
-                snapshot = host._audit_snapshot()  # before the read is sent
+                queues = host.working_queues()
+                snapshot = host.audit_snapshot()  # before the read is sent
                 found = await _ops.workers.touch_worker(self._client, keys, host.worker_id, queues)
                 recorded = [pid for look in found for pid in look.held or ()]
                 unknown = frozenset(
                     q for q, look in zip(queues, found, strict=True) if look.held is None
                 )
-                await host._audit_processes(recorded, snapshot, unknown)
-                await host._recheck_queues(dict(zip(queues, found, strict=True)))
+                await host.audit_processes(recorded, snapshot, unknown)
+                await host.recheck_queues(dict(zip(queues, found, strict=True)))
             except BackendError as exc:
                 self._reach.failed("cleanup failed", exc)
             else:

@@ -68,7 +68,7 @@ import anyio.abc
 
 from .._errors import ClosedError
 from .._layout.models import Process
-from .._worqr import Worqr
+from .._worqr import Worqr, runtime
 from .stopping import SignalStop
 from .tasklog import announce, talk
 
@@ -186,7 +186,7 @@ async def serve(
                         worker.run_task,
                         lambda: stop.signalled,
                         worqr.max_payload_bytes,
-                        worqr._lease_lapsed,
+                        runtime(worqr).lease_lapsed,
                     )
                 )
                 await worqr.consume(queue, handler, concurrency=concurrency)

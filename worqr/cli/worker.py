@@ -24,7 +24,7 @@ import anyio
 from .._errors import ClosedError
 from .._peer.consumer import Handler
 from .._peer.handlers import check_handler
-from .._worqr import Worqr
+from .._worqr import Worqr, runtime
 from .stopping import SignalStop
 from .tasklog import announce, talk
 
@@ -96,7 +96,9 @@ async def serve(
     work = (
         handler
         if quiet
-        else talk(handler, lambda: stop.signalled, worqr.max_payload_bytes, worqr._lease_lapsed)
+        else talk(
+            handler, lambda: stop.signalled, worqr.max_payload_bytes, runtime(worqr).lease_lapsed
+        )
     )
 
     async def consume(queue: str) -> None:

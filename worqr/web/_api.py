@@ -19,7 +19,7 @@ from .._layout.jobs import JobInfo
 from .._layout.models import QueueStatistics
 from .._layout.names import check_queue, check_worker_id, parse_process_id
 from .._layout.records import failed_json, fleet_json, job_json, process_json, worker_json
-from .._worqr import Worqr
+from .._worqr import Worqr, runtime
 from ._leases import HttpWorkers
 from ._problems import Refused
 
@@ -345,7 +345,7 @@ async def fail(worqr: Worqr, request: Request) -> Any:
     ref = parse_process_id(request.path_params["process_id"])
     error = field(await body_of(worqr, request), "error", str)
     holder = http_workers(request).holder(ref.id) or worqr
-    return {"failed": await holder._fail_process(ref, error)}
+    return {"failed": await runtime(holder).fail_process(ref, error)}
 
 
 ROUTES: list[tuple[str, str, Handler]] = [  # the longest first: a queue name may hold "/"

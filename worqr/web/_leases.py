@@ -26,17 +26,11 @@ from .._layout.flow import Throttled
 from .._layout.models import Process
 from .._layout.names import parse_process_id
 from .._log import logger
-from .._worqr import Worqr
+from .._worqr import Worqr, runtime, twin
 from ._problems import Refused
 
 CHECK_EVERY = 0.5
 """Seconds between looks for HTTP workers that stopped calling."""
-
-
-class _TwinWorqr(Worqr):
-    """A twin: its id, live elsewhere, is refused rather than taken over."""
-
-    _exclusive = True
 
 
 @dataclass
@@ -71,36 +65,28 @@ class HttpWorkers:
         unless the id is live: then `Refused` ``duplicate``, nothing taken over."""
         if worker_id is not None and worker_id in self._twins:
             raise Refused("duplicate", f"the HTTP worker {worker_id!r} is registered here")
-        twin = _TwinWorqr(
-            base._given,
-            worker_id=worker_id,
-            prefix=base.prefix,
-            heartbeat_interval=base._heartbeat_interval,
-            worker_timeout=base._worker_timeout,
-            cleanup_interval=base._cleanup_interval,
-            max_payload_bytes=base.max_payload_bytes,
-        )
+        made = twin(base, worker_id)
         try:
-            await twin.start_worker()
+            await made.start_worker()
             for queue in queues:
-                await twin.start_work(queue)
+                await made.start_work(queue)
         except BaseException as exc:
-            await twin.close()
+            await made.close()
             if isinstance(exc, WorkerLiveError):
                 raise Refused(
                     "duplicate",
-                    f"the HTTP worker {twin.worker_id!r} is live elsewhere (registered at"
+                    f"the HTTP worker {made.worker_id!r} is live elsewhere (registered at"
                     " another app of the fleet, or a worker runs under that id): send its"
                     " calls there, or register once that registration left or timed out",
                 ) from None
             raise
-        held = _Twin(twin, patience, time.monotonic(), twin._epoch, anyio.Lock())
-        self._twins[twin.worker_id] = held
-        self._fenced.pop(twin.worker_id, None)
+        held = _Twin(made, patience, time.monotonic(), runtime(made).epoch, anyio.Lock())
+        self._twins[made.worker_id] = held
+        self._fenced.pop(made.worker_id, None)
         self._prune_fenced()
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
-        return twin
+        return made
 
     async def heartbeat(self, worker_id: str) -> None:
         """Note a call of ``worker_id``: 404 if it is not here, timed out, or lost its
@@ -125,10 +111,10 @@ class HttpWorkers:
                 raise Refused("not_found", f"no live HTTP worker {worker_id!r} here")
             if self._lapsed(held):  # the lease may have run out meanwhile
                 raise Refused("not_found", f"HTTP worker {worker_id!r} lost its lease")
-            if queue not in held.worqr._working:
+            if queue not in runtime(held.worqr).working:
                 raise Refused("bad_request", f"this worker did not register for {queue!r}")
             try:
-                return await held.worqr._take(queue, count)
+                return await runtime(held.worqr).take(queue, count)
             except Throttled:
                 return []
 
@@ -140,7 +126,7 @@ class HttpWorkers:
     def _lapsed(held: _Twin) -> bool:
         """Whether the twin's lease was lost or may have run out (not refreshed within
         ``worker_timeout``): then its processes may be back in their queues."""
-        return held.worqr._epoch != held.epoch or held.worqr._lease_lapsed()
+        return runtime(held.worqr).epoch != held.epoch or runtime(held.worqr).lease_lapsed()
 
     def holder(self, process_id: str) -> Worqr | None:
         """The twin that holds ``process_id``, if it is here and live; the call (a
@@ -158,7 +144,7 @@ class HttpWorkers:
         if held is None:
             raise Refused("not_found", f"no live HTTP worker {worker_id!r} here")
         async with held.lock:
-            if held.worqr._lease_lapsed():  # what it held may be another twin's by now
+            if runtime(held.worqr).lease_lapsed():  # what it held may be another twin's by now
                 await held.worqr.close()
                 raise Refused("not_found", f"HTTP worker {worker_id!r} lost its lease")
             returned = await held.worqr.fail_worker()
@@ -177,7 +163,7 @@ class HttpWorkers:
     async def _retire(held: _Twin) -> None:
         """Close a twin, handing back what it holds (which frees its id at once) only
         while its lease is surely its own: lapsed, the id may be another twin's now."""
-        if held.worqr._lease_lapsed():
+        if runtime(held.worqr).lease_lapsed():
             await held.worqr.close()
         else:
             await held.worqr.shutdown(grace=0)
@@ -196,7 +182,11 @@ class HttpWorkers:
                     continue  # while an earlier twin of this pass was being closed
                 now = time.monotonic()
                 silent = now - held.seen > held.timeout
-                if silent or held.worqr._epoch != held.epoch or held.worqr._lost:
+                if (
+                    silent
+                    or runtime(held.worqr).epoch != held.epoch
+                    or runtime(held.worqr).leases_lost()
+                ):
                     del self._twins[worker_id]
                     if not silent:  # still calling: its next call is told why
                         self._fenced[worker_id] = now + held.timeout
