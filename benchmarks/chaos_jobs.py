@@ -1088,13 +1088,20 @@ def rows(tally: Tally) -> dict[str, Any]:
 
 
 DOCUMENTED_DUPLICATES = frozenset({"fenced lease", "SIGKILLed holder", "SIGSTOPped holder"})
-DOCUMENTED_OFF_PLAN = frozenset(
+SLOW_OFF_PLAN = frozenset(
     {
-        "quarantined",
         "timed out while its handler's records waited on a fault",  # the harness's own
         "timed out while its worker's event loop stalled",  # it did run past its timeout
         "timed out before its handler started (its worker's event loop lagged)",  # so did it
         "timed out as its handler ended, at its timeout",  # it ran that long
+    }
+)
+"""Attempts that really ran past their timeout because the machine was slow (a busy
+host stalls event loops and delays the harness's own records): reported, never a
+failure, in the calm phase too. Loss, duplicates and wrong records stay failures."""
+DOCUMENTED_OFF_PLAN = SLOW_OFF_PLAN | frozenset(
+    {
+        "quarantined",
         # A live holder still held it past its timeout plus worker_timeout (its event
         # loop lagging behind thousands of handlers): taking it away is the design.
         "taken over as overdue from a healthy holder",
@@ -1128,7 +1135,7 @@ MUST_BE_ZERO = (
 
 def failures(phase: str, figures: dict[str, Any]) -> list[str]:
     """Why a phase's jobs fail the run (counts only; in the calm phase, where no fault
-    strikes, any duplicate or attempt off plan)."""
+    strikes, any duplicate, and any attempt off plan but those of a slow machine)."""
     problems = []
     for name in MUST_BE_ZERO:
         if figures.get(name):
@@ -1136,7 +1143,8 @@ def failures(phase: str, figures: dict[str, Any]) -> list[str]:
     duplicates = figures.get("duplicate runs by kind") or {}
     off_plan = figures.get("attempts off plan") or {}
     if phase == "calm":
-        duplicates_wrong, off_plan_wrong = duplicates, off_plan
+        duplicates_wrong = duplicates
+        off_plan_wrong = {k: n for k, n in off_plan.items() if k not in SLOW_OFF_PLAN}
     else:
         duplicates_wrong = {k: n for k, n in duplicates.items() if k not in DOCUMENTED_DUPLICATES}
         off_plan_wrong = {k: n for k, n in off_plan.items() if k not in DOCUMENTED_OFF_PLAN}
