@@ -1063,8 +1063,9 @@ class Worqr:
         moves the task to the failed list (a job may be tried again); any other
         result fails it for good, since its work is done; a ``cancel`` event cancels
         the handler and finishes its process. Returns when the queue is deleted,
-        `stop_work` is called, or the worker is failed or shut down; cancelling it
-        hands running tasks back.
+        `stop_work` is called, or the worker is failed or shut down (or closed), also
+        while it is starting; cancelling it hands running tasks back. Called once this
+        `Worqr` is closed, it raises `ClosedError`.
         """
         check_queue(queue)
         check_handler(handler)
@@ -1073,21 +1074,24 @@ class Worqr:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         check_policy(priority)
+        if self._closed:
+            raise ClosedError("this Worqr is closed")
         worker = self._worker
-        if worker.supervisor is None:
-            await self.start_worker()
-        supervisor = worker.supervisor
-        if supervisor is None:  # failed as soon as it started
-            return
-        started_here = queue not in worker.working
-        if started_here:
-            with self._closed_under("consume started"):
-                await self.start_work(queue)
+        try:
+            if worker.supervisor is None:
+                await self.start_worker()
+            supervisor = worker.supervisor
+            if supervisor is None:  # failed as soon as it started
+                return
+            started_here = queue not in worker.working
+            if started_here:
+                with self._closed_under("consume started"):
+                    await self.start_work(queue)
+        except ClosedError:  # shut down (or closed) while it started: ended, as it
+            return  # would have a moment later
         # The awaits above let others run: a shutdown, fail_worker or stop_work that
         # came meanwhile must end this call, not leave a consumer nobody stops.
-        if self._closed:
-            raise ClosedError("this Worqr was closed while consume started")
-        if worker.supervisor is not supervisor or queue not in worker.working:
+        if self._closed or worker.supervisor is not supervisor or queue not in worker.working:
             return
         await worker.consume(queue, handler, concurrency, priority, started_here=started_here)
 

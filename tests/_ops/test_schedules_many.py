@@ -13,9 +13,14 @@ from redis.asyncio import Redis
 from worqr import Process, Worqr
 from worqr._ops.schedules import fire
 
-from ..helpers import RELAXED, Factory, consuming, progressing
+from ..helpers import RELAXED, Factory, Intervals, consuming, progressing
 from ..proxy import LatencyProxy
 from .test_schedules import _tick_ms
+
+STEADY: Intervals = {**RELAXED, "worker_timeout": 30.0}
+"""A lease that no stall of a machine kept busy by other work expires: these runs
+saturate their peers' event loops, and a worker fenced for it (no worker alive) would
+let ``misfire`` skip ticks, which is the design, not the loss these tests look for."""
 
 
 async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) -> None:
@@ -25,7 +30,7 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
     passed (a tick queued when the workers stopped is not missing)."""
     prefix = f"m{time.time_ns()}"
     clients = [Redis.from_url(url, decode_responses=True) for _ in range(2)]
-    peers = [Worqr(client, prefix=prefix, **RELAXED) for client in clients]
+    peers = [Worqr(client, prefix=prefix, **STEADY) for client in clients]
     runs: defaultdict[str, list[int]] = defaultdict(list)
 
     async def handler(process: Process) -> None:
@@ -40,7 +45,9 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
             consuming(peers[1], handler, queue="q", concurrency=20),
         ):
             await progressing(
-                lambda: min(map(len, runs.values())) if len(runs) == schedules else 0, rounds
+                lambda: min(map(len, runs.values())) if len(runs) == schedules else 0,
+                rounds,
+                stall=90,
             )
         period = round(every * 1000)
         cutoff = min(max(ticks) for ticks in runs.values()) - 2 * period
@@ -69,7 +76,7 @@ async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
 @pytest.mark.timeout(660)  # _every_tick_once waits while a busy machine's rounds go on
 async def test_no_tick_of_many_schedules_is_lost_on_loopback(redis_url: str) -> None:
     """200 schedules of 0.2 s on loopback: a pass costs more than the period."""
-    await _every_tick_once(redis_url, schedules=200, every=0.2, rounds=15)
+    await _every_tick_once(redis_url, schedules=200, every=0.2, rounds=10)
 
 
 async def test_ticks_a_busy_worker_reaches_late_are_submitted_and_counted(

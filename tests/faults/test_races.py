@@ -376,6 +376,28 @@ async def test_a_slow_lost_listener_does_not_hold_up_recovery(
 # -- what the adversarial review found -----------------------------------------------------
 
 
+@pytest.mark.parametrize("turns", [1, 2, 3, 6, 12])
+async def test_a_consume_that_is_starting_when_its_worqr_shuts_down_returns(
+    make: Factory, turns: int
+) -> None:
+    """A service starts consuming, then stops before the consumer got going (a slow
+    start): consume returns, as it does when the shutdown comes later; only a call made
+    after the close raises `ClosedError`."""
+    worqr = make(**FAST)
+
+    async def handler(process: Process) -> None:
+        await anyio.sleep(30)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: worqr.consume("jobs", handler))
+        for _ in range(turns):  # the consume begins, and waits somewhere in its start
+            await anyio.lowlevel.checkpoint()
+        with anyio.fail_after(10):
+            await worqr.shutdown(grace=0.1)
+    with pytest.raises(ClosedError):
+        await worqr.consume("jobs", handler)
+
+
 @pytest.mark.parametrize("turns", [0, 1, 2, 3, 6])
 @pytest.mark.parametrize("how", ["fail_worker", "shutdown", "stop_work"])
 async def test_consume_racing_a_fail_or_stop_never_runs_unsupervised(
