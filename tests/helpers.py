@@ -32,6 +32,10 @@ RELAXED: Intervals = {**FAST, "worker_timeout": 5.0}
 """``make()``'s default: FAST's checks, but a lease that a busy machine's stall cannot
 expire. A test whose claim is about expiry asks for ``make(**FAST)``."""
 
+STEADY: dict[str, float] = {"worker_timeout": 30.0}
+"""For peers of tests whose claim is not about leases: a lease no stall of a machine
+kept busy by other work expires (a fenced worker runs its tasks again, by design)."""
+
 Factory = Callable[..., Worqr]
 Handler = Callable[[Process], Awaitable[str | None]]
 

@@ -28,7 +28,7 @@ from worqr._layout.names import new_process_id
 from worqr._redis import wire as _wire
 from worqr.testing import EmbeddedServer
 
-from ..helpers import FAST, Factory, eventually, raw_keys, reap
+from ..helpers import FAST, STEADY, Factory, eventually, raw_keys, reap
 from ..proxy import LatencyProxy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -230,8 +230,8 @@ async def test_a_task_arriving_as_the_take_is_stopped_still_runs(
     ran: Counter[str] = Counter()
 
     async with (
-        Worqr.from_url(proxy.url, prefix=prefix) as worker,
-        Worqr.from_url(redis_url, prefix=prefix) as producer,
+        Worqr.from_url(proxy.url, prefix=prefix, **STEADY) as worker,
+        Worqr.from_url(redis_url, prefix=prefix, **STEADY) as producer,
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(lambda: worker.consume("q", counting(ran), concurrency=2))
@@ -277,9 +277,9 @@ async def test_every_task_runs_once_through_a_slow_link(
     ran: Counter[str] = Counter()
 
     async with (
-        Worqr.from_url(proxy.url, prefix=prefix) as worker,
-        Worqr.from_url(proxy.url, prefix=prefix) as other,
-        Worqr.from_url(proxy.url, prefix=prefix) as producer,
+        Worqr.from_url(proxy.url, prefix=prefix, **STEADY) as worker,
+        Worqr.from_url(proxy.url, prefix=prefix, **STEADY) as other,
+        Worqr.from_url(proxy.url, prefix=prefix, **STEADY) as producer,
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(lambda: worker.consume("q", counting(ran), concurrency=2))
@@ -309,8 +309,8 @@ async def test_a_task_enqueued_after_its_cancel_runs_through_a_waiting_take(
     url = proxy.url if slow else redis_url
     ran: Counter[str] = Counter()
     async with (
-        Worqr.from_url(url, prefix=prefix) as consumer,
-        Worqr.from_url(url, prefix=prefix) as producer,
+        Worqr.from_url(url, prefix=prefix, **STEADY) as consumer,
+        Worqr.from_url(url, prefix=prefix, **STEADY) as producer,
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(lambda: consumer.consume("q", counting(ran), concurrency=2))
@@ -429,8 +429,8 @@ async def test_strict_order_holds_whatever_the_take_moves(
         ran.append(process.task)
 
     async with (
-        Worqr.from_url(url, prefix=prefix) as consumer,
-        Worqr.from_url(url, prefix=prefix) as producer,
+        Worqr.from_url(url, prefix=prefix, **STEADY) as consumer,
+        Worqr.from_url(url, prefix=prefix, **STEADY) as producer,
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(lambda: consumer.consume("q", handler, concurrency=1, priority="strict"))

@@ -1261,8 +1261,8 @@ async def test_delayed_and_running_jobs_survive_a_server_restart(
         return "ok"
 
     async with (
-        Worqr.from_url(server.url, prefix=prefix, **FAST) as worker,
-        Worqr.from_url(server.url, prefix=prefix, **FAST) as producer,
+        Worqr.from_url(server.url, prefix=prefix, **RELAXED) as worker,
+        Worqr.from_url(server.url, prefix=prefix, **RELAXED) as producer,
     ):
         async with consuming(worker, handler, concurrency=4):
             running = await producer.submit(Q, "x", job_id="hold")

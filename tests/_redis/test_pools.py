@@ -114,7 +114,10 @@ async def test_a_burst_of_failing_handlers_on_a_small_pool_runs_each_attempt_onc
 ) -> None:
     """Fifty handlers fail at once, again and again, on a pool of ten connections: each
     end of an attempt holds one connection (its WATCH) and reads on that same one, so
-    the ends never wait on each other; no lease is lost, no attempt runs twice."""
+    the ends never wait on each other (ends that did would wait out the pool's timeout
+    again and again, and the run would not finish), and no attempt runs twice. The
+    lease is one that no stall of a busy machine expires: a worker fenced for a stall
+    runs attempts again, by design."""
     prefix = f"t{uuid.uuid4().hex[:12]}"
     url = _with(redis_url, "max_connections=10&pool_timeout=3")
     runs: dict[tuple[str | None, int], int] = {}
@@ -124,7 +127,7 @@ async def test_a_burst_of_failing_handlers_on_a_small_pool_runs_each_attempt_onc
         runs[key] = runs.get(key, 0) + 1
         raise RuntimeError("always fails")
 
-    async with Worqr.from_url(url, prefix=prefix) as worqr:
+    async with Worqr.from_url(url, prefix=prefix, worker_timeout=30.0) as worqr:
         await worqr.submit_many("q", [str(n) for n in range(300)], max_attempts=2, backoff=0)
         async with anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(worqr.consume, "q", failing, concurrency=50))
