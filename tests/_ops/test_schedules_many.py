@@ -13,14 +13,9 @@ from redis.asyncio import Redis
 from worqr import Process, Worqr
 from worqr._ops.schedules import fire
 
-from ..helpers import RELAXED, Factory, Intervals, consuming, progressing
+from ..helpers import RELAXED, STEADY, Factory, Intervals, consuming, progressing
 from ..proxy import LatencyProxy
 from .test_schedules import _tick_ms
-
-STEADY: Intervals = {**RELAXED, "worker_timeout": 30.0}
-"""A lease that no stall of a machine kept busy by other work expires: these runs
-saturate their peers' event loops, and a worker fenced for it (no worker alive) would
-let ``misfire`` skip ticks, which is the design, not the loss these tests look for."""
 
 
 async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) -> None:
@@ -30,7 +25,10 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
     passed (a tick queued when the workers stopped is not missing)."""
     prefix = f"m{time.time_ns()}"
     clients = [Redis.from_url(url, decode_responses=True) for _ in range(2)]
-    peers = [Worqr(client, prefix=prefix, **STEADY) for client in clients]
+    # A lease no stall expires: these runs saturate their peers' loops, and a worker
+    # fenced for it (none alive) would let misfire skip ticks, by design.
+    timing: Intervals = {**RELAXED, "worker_timeout": STEADY["worker_timeout"]}
+    peers = [Worqr(client, prefix=prefix, **timing) for client in clients]
     runs: defaultdict[str, list[int]] = defaultdict(list)
 
     async def handler(process: Process) -> None:

@@ -2,12 +2,13 @@
 consumers, and the parts they call (take, blocking take, settle, leases).
 
 `Worqr` checks every argument and delegates here; `Consumer` and `Supervisor` call the
-public methods below (their ``Host`` protocols)."""
+public names of `Worker` (their ``Host`` protocols): its methods, and the calls it binds
+to its parts in ``__init__``."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -15,8 +16,6 @@ from redis.asyncio import Redis
 
 from .. import _ops
 from .._errors import BackendError, ClosedError, WorkerLiveError
-from .._layout.models import Process
-from .._layout.names import ProcessRef
 from .blocking import BlockingTakes
 from .consumer import Consumer, Handler
 from .holdings import Holdings, Parts, Timing
@@ -62,6 +61,22 @@ class Worker:
         self.blocking = BlockingTakes(
             parts, self.holdings, self.leases, self.taker, timing, blocking
         )
+        # What the consumers, the supervisor and the facade call, bound to the part that
+        # does it (no frame of delegation on the way: take and settle run per task).
+        self.take = self.taker.take
+        self.can_block = self.blocking.can_block
+        self.block_take = self.blocking.take
+        self.settle = self.settler.settle
+        self.finish = self.settler.finish
+        self.stop_process = self.settler.stop
+        self.fail_process = self.settler.fail
+        self.report_corrupt = self.leases.report_corrupt
+        self.lease_lapsed = self.leases.lapsed
+        self.lose_leases = self.leases.lose
+        self.recover_leases = self.leases.recover
+        self.cleanup_workers = self.leases.cleanup_workers
+        self.audit_snapshot = self.leases.audit_snapshot
+        self.audit_processes = self.leases.audit
         self._explicit_id = explicit_id
         self._max_payload = max_payload_bytes
         self._promoter = promoter
@@ -99,10 +114,6 @@ class Worker:
     def epoch(self) -> int:
         """The lease epoch: another value means the leases were lost meanwhile."""
         return self.leases.epoch
-
-    def lease_lapsed(self) -> bool:
-        """See `Leases.lapsed`."""
-        return self.leases.lapsed()
 
     def leases_lost(self) -> bool:
         return self.leases.lost
@@ -290,70 +301,7 @@ class Worker:
                     except BackendError as exc:
                         parts.log.warning("cleanup step failed: %s", exc)
 
-    async def take(
-        self,
-        queue: str,
-        count: int = 1,
-        *,
-        announced: bool = False,
-        policy: str = "weighted",
-        normal: bool = True,
-    ) -> list[Process]:
-        """See `Taker.take`."""
-        return await self.taker.take(
-            queue, count, announced=announced, policy=policy, normal=normal
-        )
-
-    def can_block(self, queue: str) -> bool:
-        """See `BlockingTakes.can_block`."""
-        return self.blocking.can_block(queue)
-
-    async def block_take(self, queue: str, received: Callable[[], None]) -> list[Process]:
-        """See `BlockingTakes.take`."""
-        return await self.blocking.take(queue, received)
-
-    async def settle(
-        self,
-        process: Process,
-        outcome: str,
-        detail: str | None,
-        *,
-        trace: str = "",
-        delay: float | None = None,
-    ) -> None:
-        """See `Settler.settle`."""
-        await self.settler.settle(process, outcome, detail, trace=trace, delay=delay)
-
-    def report_corrupt(self, keys: Sequence[str]) -> None:
-        """See `Leases.report_corrupt`."""
-        self.leases.report_corrupt(keys)
-
     # -- what the supervisor calls ------------------------------------------------------
-
-    async def lose_leases(self, reason: str) -> None:
-        """See `Leases.lose`."""
-        await self.leases.lose(reason)
-
-    async def recover_leases(self) -> None:
-        """See `Leases.recover`."""
-        await self.leases.recover()
-
-    async def cleanup_workers(self) -> list[str]:
-        """See `Leases.cleanup_workers`."""
-        return await self.leases.cleanup_workers()
-
-    def audit_snapshot(self) -> tuple[int, frozenset[str]]:
-        """See `Leases.audit_snapshot`."""
-        return self.leases.audit_snapshot()
-
-    async def audit_processes(
-        self,
-        recorded: list[str],
-        snapshot: tuple[int, frozenset[str]],
-        unknown: frozenset[str] = frozenset(),
-    ) -> None:
-        """See `Leases.audit`."""
-        await self.leases.audit(recorded, snapshot, unknown)
 
     def working_queues(self) -> list[str]:
         return list(self.holdings.working)
@@ -398,17 +346,3 @@ class Worker:
             # A token that expired since start_work reads None: that is no deletion.
             deleted = queue in working and token not in (None, working[queue])
             parts.events.poke(queue, "delete" if deleted else "work", "")
-
-    # -- ending processes by hand (`Worqr.finish_process`, `Worqr.stop_process`) --------
-
-    async def finish(self, ref: ProcessRef, result: str | None) -> bool:
-        """See `Settler.finish`."""
-        return await self.settler.finish(ref, result)
-
-    async def stop_process(self, ref: ProcessRef, job_id: str | None, *, look: bool) -> bool:
-        """See `Settler.stop`."""
-        return await self.settler.stop(ref, job_id, look=look)
-
-    async def fail_process(self, ref: ProcessRef, error: str) -> bool:
-        """End an attempt as failed with ``error`` (see `Settler.fail`)."""
-        return await self.settler.fail(ref, error)
