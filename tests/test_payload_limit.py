@@ -71,6 +71,7 @@ async def test_over_the_limit_is_refused_naming_it_and_nothing_is_written(
         await worqr.close()
 
 
+@pytest.mark.timeout(300)  # 16 MiB written and read on a busy machine
 async def test_the_default_is_16_mib(real_client: Redis, prefix: str) -> None:
     worqr = Worqr(real_client, prefix=prefix, **RELAXED)
     try:
@@ -177,6 +178,7 @@ async def test_the_http_api_takes_what_its_worqr_takes(
     assert await real_make().get_tasks("q") == ["z" * LIMIT]
 
 
+@pytest.mark.timeout(300)  # a new process reads 16 MiB on a busy machine
 async def test_the_command_line_says_what_the_limit_is(
     real_client: Redis, redis_url: str, prefix: str
 ) -> None:

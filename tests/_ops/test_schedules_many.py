@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import anyio
 import pytest
 from redis.asyncio import Redis
 
@@ -18,11 +19,23 @@ from ..proxy import LatencyProxy
 from .test_schedules import _tick_ms
 
 
-async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) -> None:
+async def _freeze(times: int, seconds: float) -> None:
+    """Block the event loop ``times`` times for ``seconds`` (the peers' timers with it),
+    as a handler that calls blocking code does: every peer stays alive, but passes come
+    later than their ticks."""
+    for _ in range(times):
+        await anyio.sleep(seconds)
+        time.sleep(seconds)  # noqa: ASYNC251  # blocks the loop on purpose
+
+
+async def _every_tick_once(
+    url: str, schedules: int, every: float, rounds: int, freezes: int = 0
+) -> None:
     """Store ``schedules`` schedules ticking ``every`` seconds (misfire="latest"), run two
     workers until each schedule has run ``rounds`` times, and find, per schedule, no tick
     run twice and none missing between its first run and a cutoff that every schedule
-    passed (a tick queued when the workers stopped is not missing)."""
+    passed (a tick queued when the workers stopped is not missing). With ``freezes``,
+    the loop is blocked that many times for 2.5 periods while they run."""
     prefix = f"m{time.time_ns()}"
     clients = [Redis.from_url(url, decode_responses=True) for _ in range(2)]
     # A lease no stall expires: these runs saturate their peers' loops, and a worker
@@ -41,7 +54,9 @@ async def _every_tick_once(url: str, schedules: int, every: float, rounds: int) 
         async with (
             consuming(peers[0], handler, queue="q", concurrency=20),
             consuming(peers[1], handler, queue="q", concurrency=20),
+            anyio.create_task_group() as group,
         ):
+            group.start_soon(_freeze, freezes, 2.5 * every)
             await progressing(
                 lambda: min(map(len, runs.values())) if len(runs) == schedules else 0,
                 rounds,
@@ -71,6 +86,15 @@ async def test_no_tick_of_many_schedules_is_lost_through_a_slow_link(
     await _every_tick_once(proxy.url, schedules=80, every=1.0, rounds=6)
 
 
+@pytest.mark.timeout(660)  # _every_tick_once waits while a busy machine's rounds go on
+async def test_no_tick_is_lost_while_the_loop_is_blocked_on_loopback(redis_url: str) -> None:
+    """20 schedules of 0.2 s on loopback, the loop blocked three times for 0.5 s: each
+    pass after a freeze comes more than a period late, and misfire="latest" dropped
+    the older due ticks although every worker was alive."""
+    await _every_tick_once(redis_url, schedules=20, every=0.2, rounds=15, freezes=3)
+
+
+@pytest.mark.long  # ~1,000 ticks/s saturate both cores for a minute on a busy machine
 @pytest.mark.timeout(660)  # _every_tick_once waits while a busy machine's rounds go on
 async def test_no_tick_of_many_schedules_is_lost_on_loopback(redis_url: str) -> None:
     """200 schedules of 0.2 s on loopback: a pass costs more than the period."""
