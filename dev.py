@@ -37,6 +37,8 @@ USAGE = """usage: python3 dev.py VERB [ARGS...]
          quick runs
   thorough  the property tests at five times the suite's examples (ARGS go to pytest)
   chaos  python -m benchmarks.chaos ARGS (the full chaos run; --quick for a minute)
+  chaos-tasks  python -m benchmarks.chaos_tasks ARGS (task functions under SIGKILLs;
+         --quick for seconds)
   bench  python -m benchmarks.suite ARGS (worqr against its peers; --quick for minutes)
   bench-cluster  python -m benchmarks.cluster ARGS (3 Cluster primaries against one server)
   bench-jobs  python -m benchmarks.jobs ARGS (delayed jobs, results and retries against peers)
@@ -186,6 +188,11 @@ def long(args: list[str]) -> int:
     return run(PYTHON, "-m", "pytest", "-m", "long", *args)
 
 
+def chaos_tasks(args: list[str]) -> int:
+    """Run the chaos run of task functions: worker processes SIGKILLed mid-call."""
+    return run(PYTHON, "-m", "benchmarks.chaos_tasks", *args)
+
+
 def chaos(args: list[str]) -> int:
     """Run the chaos harness: faults injected into a real fleet, then the accounting."""
     return run(PYTHON, "-m", "benchmarks.chaos", *args)
@@ -200,6 +207,7 @@ VERBS = {
     "demo": demo,
     "docs": docs,
     "chaos": chaos,
+    "chaos-tasks": chaos_tasks,
     "bench": bench,
     "bench-cluster": bench_cluster,
     "bench-jobs": bench_jobs,

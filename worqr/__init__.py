@@ -35,6 +35,11 @@ from ._layout.schedules import ScheduleInfo as ScheduleInfo
 from ._ops.check import CheckReport as CheckReport
 from ._ops.check import Problem as Problem
 from ._peer.events import Subscribed as Subscribed
+from ._tasks.context import Context as Context
+from ._tasks.registry import Tasks as Tasks
+from ._tasks.task import Task as Task
+from ._tasks.task import TaskCall as TaskCall
+from ._tasks.task import TaskJob as TaskJob
 from ._worqr import Worqr as Worqr
 
 __version__ = "0.4.0"
@@ -46,6 +51,7 @@ __all__ = [
     "Backoff",
     "CheckReport",
     "ClosedError",
+    "Context",
     "CorruptDataError",
     "DependencyError",
     "DuplicateTaskError",
@@ -72,6 +78,10 @@ __all__ = [
     "ScheduleInfo",
     "ServerStartError",
     "Subscribed",
+    "Task",
+    "TaskCall",
+    "TaskJob",
+    "Tasks",
     "WorkerInfo",
     "WorkerNotStartedError",
     "Worqr",

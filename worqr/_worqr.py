@@ -16,7 +16,7 @@ import functools
 import math
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from redis.asyncio import Redis
@@ -97,6 +97,8 @@ from ._redis.replies import members, text
 from ._redis.urls import Closable, connect
 
 DEFAULT_SHUTDOWN_GRACE = 5.0
+MAX_NOTE = 1024
+"""The longest progress note, in characters."""
 _DAY = 86400.0
 _ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
@@ -860,6 +862,37 @@ class Worqr:
             check_sizes("result", [result], self._max_payload)
         return await self._worker.finish(self._ref(process), result)
 
+    async def report_progress(
+        self, process: Process, fraction: float, note: str | None = None
+    ) -> bool:
+        """Record how far a job's running attempt got: ``fraction`` from 0 to 1, and an
+        optional short ``note``; `JobInfo.progress` and the dashboard show it (until
+        the next attempt starts). Two round trips, a transaction on the job's record.
+        False (nothing written) once the process has ended (reclaimed, handed back,
+        timed out, cancelled)."""
+        if not isinstance(process, Process):
+            raise TypeError(f"process must be a Process, not {type(process).__name__}")
+        if process.job_id is None or process.envelope is None:
+            raise ValueError("a plain task has no record to show progress on: submit a job")
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise TypeError(f"fraction must be a number, not {type(fraction).__name__}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be between 0 and 1, got {fraction!r}")
+        if note is not None:
+            if not isinstance(note, str):
+                raise TypeError(f"note must be a str or None, not {type(note).__name__}")
+            if len(note) > MAX_NOTE or not storable(note):
+                raise ValueError(f"note must be a storable str of at most {MAX_NOTE} characters")
+        return await _ops.progress.report_progress(
+            self._redis,
+            self._keys,
+            process.queue,
+            process.job_id,
+            process.id,
+            float(fraction),
+            note,
+        )
+
     async def stop_process(self, process: Process | str) -> bool:
         """Give a process up: its task goes back to the FRONT of its queue. False (and
         nothing changes) if the process no longer exists or its lease was lost."""
@@ -923,6 +956,18 @@ class Worqr:
         """Every process of a queue (default: of every queue), oldest first."""
         queues = None if queue is None else [check_queue(queue)]
         return await _ops.inspect.processes(self._redis, self._keys, queues)
+
+    async def get_progress(
+        self, processes: Sequence[Process]
+    ) -> list[tuple[float, str | None] | None]:
+        """What each process's job last reported with `report_progress` (a fraction
+        and a note), None for a plain task or a job that reported nothing: one round
+        trip for all (the dashboard's process table)."""
+        if isinstance(processes, Process) or not isinstance(processes, Sequence):
+            raise TypeError("processes must be a sequence of Process")
+        jobs = [(p.queue, p.job_id) for p in processes if p.job_id is not None]
+        found = iter(await _ops.inspect.progress(self._redis, self._keys, jobs))
+        return [None if p.job_id is None else next(found) for p in processes]
 
     def _ref(self, process: Process | str) -> ProcessRef:
         return parse_process_id(process.id if isinstance(process, Process) else process)
@@ -1047,6 +1092,31 @@ class Worqr:
 
     # -- high level --------------------------------------------------------------------
 
+    async def serve(
+        self,
+        tasks: Servable,
+        *,
+        queues: Sequence[str] | None = None,
+        concurrency: int = 10,
+        priority: str = "weighted",
+    ) -> None:
+        """Serve a `Tasks` registry: run its start-up hooks, `consume` each of
+        ``queues`` (default: every queue its functions name) with ``concurrency``
+        calls at once, each dispatched by the function name its job carries, and run
+        its shut-down hooks once they all returned (or this call was cancelled).
+        A call of a function the registry lacks, or whose arguments do not fit the
+        function, fails for good, saying why."""
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+            raise TypeError(f"concurrency must be an int, not {type(concurrency).__name__}")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        check_policy(priority)
+        if getattr(tasks, "serve_on", None) is None:
+            raise TypeError(f"serve takes a Tasks registry, not {type(tasks).__name__}")
+        if self._closed:
+            raise ClosedError("this Worqr is closed")
+        await tasks.serve_on(self, queues=queues, concurrency=concurrency, priority=priority)
+
     async def consume(
         self, queue: str, handler: Handler, *, concurrency: int = 1, priority: str = "weighted"
     ) -> None:
@@ -1094,6 +1164,32 @@ class Worqr:
         if self._closed or worker.supervisor is not supervisor or queue not in worker.working:
             return
         await worker.consume(queue, handler, concurrency, priority, started_here=started_here)
+
+
+class Servable(Protocol):
+    """What `Worqr.serve` runs: a `worqr.Tasks` registry."""
+
+    async def serve_on(
+        self, worqr: Worqr, *, queues: Sequence[str] | None, concurrency: int, priority: str
+    ) -> None: ...
+
+
+async def submit_calls(
+    worqr: Worqr,
+    queue: str,
+    payloads: list[str],
+    choices: JobOptions,
+    job_id: str | None,
+    after: object,
+) -> list[Job]:
+    """Submit jobs whose payloads are calls already encoded (``choices`` names their
+    function and format), for the function layer (`worqr.Tasks`): `Worqr.submit`'s
+    checks and path, with a header the public call does not set."""
+    check_queue(queue)
+    given = None if job_id is None else check_job_id(job_id)
+    if given is not None and choices.unique:
+        raise ValueError("give a job id or unique (an id made from the arguments), not both")
+    return await worqr._submit(queue, payloads, given, choices, check_after(after, queue))
 
 
 def runtime(worqr: Worqr) -> Worker:

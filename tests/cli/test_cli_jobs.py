@@ -278,8 +278,12 @@ async def test_job_shows_status_attempts_and_outcome(
         "due_at",
         "finished_at",
         "after",
+        "function",
+        "progress",
+        "progress_note",
     }
     assert (bad["id"], bad["queue"], bad["status"], bad["attempts"]) == ("bad", QUEUE, "failed", 1)
+    assert (bad["function"], bad["progress"], bad["progress_note"]) == (None, None, None)
     assert bad["after"] == []
     assert (bad["error"], bad["result"], bad["due_at"]) == ("RuntimeError: no\nway", None, None)
     assert bad["enqueued_at"] <= bad["finished_at"]

@@ -14,10 +14,11 @@ import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 from playwright.async_api import Browser, Locator, Page, async_playwright, expect
 
-from worqr import Process
+from worqr import Context, Process, Tasks
 from worqr.web import create_app
 
 from ..helpers import FAST, Factory, consuming, eventually, reap
@@ -210,3 +211,24 @@ async def test_an_action_without_the_token_is_refused(page: Page, real_make: Fac
     await row(page, "keep").get_by_role("button", name="pause").click()
     await eventually(lambda: producer.is_paused("keep"))  # the action took effect,
     await expect(row(page, "keep")).to_contain_text("paused", timeout=WITHIN)  # and shows
+
+
+async def test_a_running_call_shows_its_function_and_progress(
+    page: Page, real_make: Factory
+) -> None:
+    tasks = Tasks(queue="renders")
+
+    @tasks.task(name="render")
+    async def render(ctx: Context, scene: str) -> None:
+        await ctx.progress(0.4, "lighting")
+        await anyio.sleep_forever()
+
+    worker = real_make()
+    await render.submit(worker, "castle")
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: worker.serve(tasks))
+        shown = page.locator("#processes tbody tr")
+        await expect(shown).to_contain_text('render {"scene":"castle"}', timeout=WITHIN)
+        await expect(shown.locator("td.progress")).to_have_text("40% lighting", timeout=WITHIN)
+        await screenshot(page, "progress")
+        group.cancel_scope.cancel()

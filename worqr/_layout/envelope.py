@@ -11,7 +11,9 @@ after it, so a dequeue stays one transaction with no read of the job's record: `
 ``a`` the attempt this copy runs (1-based), ``m`` max attempts, ``b`` the backoff
 (initial, factor, maximum, jitter 0/1), ``t`` the timeout in seconds (null: none),
 ``r`` the result TTL in seconds, ``e`` the submit time (Unix ms, server time) and,
-for a job of another priority than normal, ``p`` its level (``high`` or ``low``).
+for a job of another priority than normal, ``p`` its level (``high`` or ``low``); for
+a call of a task function (see `worqr.Tasks`), ``f`` its name and, when the call is not
+JSON, ``c`` its format (``msgpack`` or ``pickle``).
 Each retry stores a new envelope with ``a`` one higher; a dead worker's copy goes back
 unchanged (a death is not an attempt).
 """
@@ -33,6 +35,8 @@ MARKER = "\x1ejob:"
 """How an envelope begins. A plain task may not begin with ``\\x1e`` (see `check_task`)."""
 
 MAX_JOB_ID = 128
+MAX_FUNCTION = 256
+"""The longest name of a task function, in characters."""
 MAX_SECONDS = 1e9
 """The largest delay, timeout, result TTL or backoff (about 31 years): in ms, every
 such value and every due time stays an exact integer in a double and in Redis."""
@@ -56,6 +60,10 @@ class Header:
     """Unix ms, server time."""
     priority: str = "normal"
     """The level whose list the job waits in (see `_layout.levels`)."""
+    function: str | None = None
+    """The task function whose call the payload is (None: a plain payload)."""
+    codec: str = "json"
+    """How a call's payload and result are encoded: ``json``, ``msgpack``, ``pickle``."""
 
     def next_attempt(self) -> Header:
         return replace(self, attempt=self.attempt + 1)
@@ -91,6 +99,10 @@ def wrap(header: Header, payload: str) -> str:
     }
     if header.priority != "normal":
         fields["p"] = header.priority
+    if header.function is not None:
+        fields["f"] = header.function
+        if header.codec != "json":
+            fields["c"] = header.codec
     return f"{MARKER}{json.dumps(fields, separators=(',', ':'))}\n{payload}"
 
 
@@ -184,6 +196,11 @@ def _header(data: Any) -> Header:
     priority = data.get("p", "normal")
     if priority not in LEVELS:
         raise ValueError(f"unknown priority {priority!r}")
+    function, codec = data.get("f"), data.get("c", "json")
+    if function is not None and not (type(function) is str and 0 < len(function) <= MAX_FUNCTION):
+        raise ValueError(f"malformed function name {function!r}")
+    if type(codec) is not str:
+        raise ValueError(f"malformed call format {codec!r}")
     return Header(
         job_id,
         attempt,
@@ -193,6 +210,8 @@ def _header(data: Any) -> Header:
         _seconds(ttl),
         at,
         str(priority),
+        function,
+        codec,
     )
 
 

@@ -138,6 +138,14 @@ class JobInfo:
     finished_at: float | None
     after: tuple[str, ...] = ()
     """The ids a waiting job still waits for (those found live when last judged)."""
+    function: str | None = None
+    """The name of the task function the job calls (see `Tasks`); None for a plain
+    payload."""
+    progress: float | None = None
+    """The fraction (0 to 1) its running attempt last reported (`Context.progress`,
+    `Worqr.report_progress`); None before any report."""
+    progress_note: str | None = None
+    """The note that came with the last progress report, if any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +160,9 @@ class Options:
     result_ttl: float
     unique: bool
     priority: str = "normal"
+    function: str | None = None
+    """The task function each payload calls (see `Header.function`)."""
+    codec: str = "json"
 
     def due_ms(self, now_ms: int) -> int | None:
         """When jobs submitted at ``now_ms`` (server time) are due; None for now."""
@@ -172,7 +183,7 @@ class Options:
             if given is not None:
                 job_id = given
             elif self.unique:
-                job_id = "u-" + hashlib.sha1(payload.encode("utf-8")).hexdigest()
+                job_id = "u-" + hashlib.sha1(self._identity(payload)).hexdigest()
             else:
                 job_id = new_job_id()
             header = Header(
@@ -184,9 +195,19 @@ class Options:
                 result_ttl=self.result_ttl,
                 enqueued_at=now_ms,
                 priority=self.priority,
+                function=self.function,
+                codec=self.codec,
             )
             found.append(Envelope(header, payload, wrap(header, payload)))
         return found
+
+    def _identity(self, payload: str) -> bytes:
+        """What a unique job's id is derived from: the payload, and for a call the
+        function too (the same arguments to two functions are two jobs)."""
+        data = payload.encode("utf-8", "surrogateescape")
+        if self.function is None:
+            return data
+        return b"%s\0%s\0%s" % (self.function.encode(), self.codec.encode(), data)
 
 
 def options(

@@ -108,7 +108,8 @@ class Keys:
     def job(self, queue: str, job_id: str) -> str:
         """HASH: a job's record (``env`` its envelope while it lives, ``state``,
         ``attempts``, ``max``, ``enqueued``, ``due``, ``result``, ``error``,
-        ``finished``); once the job ended, its outcome, expiring after its result TTL."""
+        ``finished``, ``fn`` for a call, ``progress`` and ``note`` once reported); once
+        the job ended, its outcome, expiring after its result TTL."""
         return f"{self.prefix}:q:{{{queue}}}:j:{job_id}"
 
     def jobs(self, queue: str) -> str:

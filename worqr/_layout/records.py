@@ -23,6 +23,9 @@ def job_json(info: JobInfo) -> dict[str, Any]:
         "due_at": info.due_at,
         "finished_at": info.finished_at,
         "after": list(info.after),
+        "function": info.function,
+        "progress": info.progress,
+        "progress_note": info.progress_note,
     }
 
 
@@ -76,4 +79,5 @@ def process_json(process: Process) -> dict[str, Any]:
         "attempt": process.attempt,
         "max_attempts": process.max_attempts,
         "timeout": process.timeout,
+        "function": None if process.envelope is None else process.envelope.header.function,
     }

@@ -3,7 +3,7 @@
 One module per transition or family of transitions: ``enqueue``, ``submit``,
 ``promote``, ``dequeue``, ``block`` (the blocking take), ``end`` (finish, fail,
 deadlines), ``stop``, ``cancel``, ``queues`` (cancel a task, delete a queue),
-``failed``, ``reclaim``, ``workers`` (register, heartbeat, the supervision scan,
+``failed``, ``progress``, ``reclaim``, ``workers`` (register, heartbeat, the supervision scan,
 fail_worker), ``repairs``, ``deps``, ``flow``, ``schedules``; docs/diagrams/ draws each.
 They are built from the round trips of `commands` and the shared write builders of
 `writes`; ``inspect`` and ``check`` only read. Every MULTI/EXEC block touches
@@ -28,6 +28,7 @@ from . import enqueue as enqueue
 from . import failed as failed
 from . import flow as flow
 from . import inspect as inspect
+from . import progress as progress
 from . import promote as promote
 from . import queues as queues
 from . import reclaim as reclaim

@@ -462,10 +462,11 @@ async def fail(
             (a job) the writes of `_end_job` with the error;
             PUBLISH done done:[{..., "job_id", "status": "failed", "error"}]
          another attempt now: RPUSH tasks <envelope'>;  PUBLISH events work:1;
-            HSET j:<id> env <envelope'> state queued attempts <a> error <e>;  HDEL j:<id> due
+            HSET j:<id> env <envelope'> state queued attempts <a> error <e>;
+            HDEL j:<id> due progress note
          another attempt later: ZADD delayed <due> <envelope'>;
             HSET j:<id> env <envelope'> state delayed attempts <a> error <e> due <due>;
-            PUBLISH events delayed:<due>
+            HDEL j:<id> progress note;  PUBLISH events delayed:<due>
     """
     queue = ref.queue
     now = local_ms(now_ms)
@@ -514,11 +515,12 @@ async def fail(
             pipe.execute_command("RPUSH", back_to, again)
             pipe.execute_command(*announce(keys, queue, header.priority, 1))
             pipe.execute_command("HSET", job, *fields, "state", JobState.QUEUED.value)
-            pipe.execute_command("HDEL", job, "due")
+            pipe.execute_command("HDEL", job, "due", "progress", "note")
 
         def later(pipe: Pipeline) -> None:
             pipe.execute_command("ZADD", keys.delayed(queue), due, again)
             pipe.execute_command("HSET", job, *fields, "state", JobState.DELAYED.value, "due", due)
+            pipe.execute_command("HDEL", job, "progress", "note")
             pipe.execute_command("PUBLISH", keys.events(queue), event("delayed", str(due)))
 
         if wait <= 0:

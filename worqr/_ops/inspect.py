@@ -84,6 +84,31 @@ async def processes(r: Client, keys: Keys, queues: Sequence[str] | None = None) 
     ]
 
 
+@redis_boundary
+async def progress(
+    r: Client, keys: Keys, jobs: Sequence[tuple[str, str]]
+) -> list[tuple[float, str | None] | None]:
+    """The progress last reported on each job's record (queue, id): (fraction, note),
+    or None where none was (or the record is gone or wrong-typed).
+
+      1. HMGET j:<id> progress note          (per job, pipelined: one round trip)
+    """
+    replies = await reads(
+        r, [("HMGET", keys.job(queue, job_id), "progress", "note") for queue, job_id in jobs]
+    )
+    found: list[tuple[float, str | None] | None] = []
+    for reply in replies:
+        fraction = note = None
+        if isinstance(reply, list) and len(reply) == 2 and reply[0] is not None:
+            try:
+                fraction = float(text(reply[0]))
+            except ValueError:
+                fraction = None
+            note = None if reply[1] is None else text(reply[1])
+        found.append(None if fraction is None or not 0 <= fraction <= 1 else (fraction, note))
+    return found
+
+
 PLAIN_PROTOCOL = "2"
 
 

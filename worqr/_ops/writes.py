@@ -483,7 +483,7 @@ def _record_job(
     failed job): a fresh hash, live in the index.
 
       DEL j:<id>;  HSET j:<id> env <envelope> state <state> attempts 0 max <m>
-      enqueued <e> life <life> [due <due>];  ZADD jobs +inf <id>
+      enqueued <e> life <life> [due <due>] [fn <function>];  ZADD jobs +inf <id>
     """
     header = env.header
     record = keys.job(queue, header.id)
@@ -503,6 +503,8 @@ def _record_job(
     ]
     if due is not None:
         fields += ["due", due]
+    if header.function is not None:
+        fields += ["fn", header.function]
     pipe.execute_command("DEL", record)
     pipe.execute_command("HSET", record, *fields)
     pipe.execute_command("ZADD", keys.jobs(queue), "+inf", header.id)

@@ -19,7 +19,7 @@ from .._layout.models import Process, escaped
 from .._log import PeerLog, excerpt
 from .._redis.reach import Reach
 from .events import work_count
-from .handlers import BadResult, LargeResult, check_result
+from .handlers import Refused, check_result
 
 Handler = Callable[[Process], Awaitable[str | None]]
 
@@ -30,7 +30,7 @@ _HAND_BACK_LIMIT = 10.0
 _PRETAKEN_WINDOW = 0.05  # seconds within which a blocking take's push is announced
 _HANDED_BACK = "handed back"  # why a handler was stopped: its process goes back in order
 _TIMED_OUT = "timeout"  # a job's attempt ran past its timeout: a failed attempt
-_REFUSED = "refused"  # the handler's result cannot be stored: failed, not tried again
+_REFUSED = "refused"  # no retry can change the outcome (`Refused`): failed for good
 
 
 class Host(Protocol):
@@ -467,10 +467,8 @@ class Consumer:
             outcome, detail, delay = "retry", f"Retry: {exc}", exc.delay
             if process.attempt >= process.max_attempts:
                 detail += f", but attempt {process.attempt} of {process.max_attempts} was the last"
-        except BadResult as exc:
-            outcome, detail, error = _REFUSED, f"TypeError: {exc}", exc
-        except LargeResult as exc:
-            outcome, detail, error = _REFUSED, f"ValueError: {exc}", exc
+        except Refused as exc:
+            outcome, detail, error = _REFUSED, escaped(f"{exc.kind}: {exc}"), exc
         except (KeyboardInterrupt, SystemExit):
             raise  # they stop the program: its tasks go back, as at any exit
         except BaseException as exc:  # an Exception, or another kind (pytest.fail's)
@@ -527,7 +525,7 @@ class Consumer:
             what,
             process.attempt,
             process.max_attempts,
-            "" if last else ", another follows",
+            _after(process, last, isinstance(exc, Refused)),
             process.queue,
             process.id,
             excerpt(process.task),
@@ -535,6 +533,13 @@ class Consumer:
             exc_info=exc if last else None,
             extra={"queue": process.queue, "process_id": process.id},
         )
+
+
+def _after(process: Process, last: bool, refused: bool) -> str:
+    """What comes after a failed attempt, for its log line."""
+    if not last:
+        return ", another follows"
+    return ", not tried again" if refused and process.attempt < process.max_attempts else ""
 
 
 _STRAY_CANCEL = (

@@ -34,7 +34,7 @@ def check_handler(handler: object) -> None:
     if not callable(handler):
         raise TypeError(f"handler must be callable, not {type(handler).__name__}")
     name = _name(handler)
-    if not _is_async(handler):
+    if not is_async(handler):
         raise TypeError(f"handler {name} is not an async function: {ADVICE}")
     try:
         signature = inspect.signature(handler)
@@ -52,13 +52,24 @@ def check_handler(handler: object) -> None:
         raise TypeError(f"handler {name} is annotated to return {wrong}: {RESULT_ADVICE}")
 
 
-class BadResult(TypeError):
+class Refused(Exception):
+    """An attempt's outcome that no retry can change: its job fails for good, with
+    the error ``<kind>: <message>`` (``kind`` the built-in error it also is)."""
+
+    kind = "Error"
+
+
+class BadResult(Refused, TypeError):
     """A handler returned something other than str or None, or a str that cannot be
     stored."""
 
+    kind = "TypeError"
 
-class LargeResult(ValueError):
+
+class LargeResult(Refused, ValueError):
     """A handler returned a str over ``max_payload_bytes``."""
+
+    kind = "ValueError"
 
 
 def check_result(result: object, limit: int) -> str | None:
@@ -87,7 +98,7 @@ def check_result(result: object, limit: int) -> str | None:
     )
 
 
-def _is_async(handler: Callable[..., Any]) -> bool:
+def is_async(handler: Callable[..., Any]) -> bool:
     """A coroutine function, a partial of one, or an object whose __call__ is one."""
     if inspect.iscoroutinefunction(handler):
         return True

@@ -168,6 +168,9 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
         after=tuple(dependencies_of(fields.get("after")))
         if state == JobState.WAITING.value
         else (),
+        function=fields.get("fn"),
+        progress=_fraction(fields.get("progress")),
+        progress_note=fields.get("note"),
     )
 
 
@@ -205,6 +208,14 @@ def _int(raw: str | None) -> int:
         return int(raw or 0)
     except ValueError:
         return 0
+
+
+def _fraction(raw: str | None) -> float | None:
+    try:
+        value = None if raw is None else float(raw)
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 <= value <= 1.0 else None
 
 
 def _seconds(raw: str | None) -> float | None:

@@ -82,18 +82,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = top.parse_known_args(arguments)
     if extra and args.verb == "enqueue" and not any(word.startswith("-") for word in extra):
         args.tasks += extra  # tasks after an option: enqueue Q --unique T1 T2
+    elif extra and args.verb == "worker" and not any(word.startswith("-") for word in extra):
+        args.queues += extra  # queues after an option: worker app:h --concurrency 4 Q
     elif extra:
         top.error(f"unrecognized arguments: {' '.join(extra)}")
     if command is not None:
         args.command = command
     _configure_logging(args)
     if args.verb == "worker":  # before any connection: a bad handler is a usage error
+        from .._tasks.registry import Tasks
         from .worker import HandlerNotFound, load_handler
 
         try:
             args.loaded = load_handler(args.target)
         except (HandlerNotFound, TypeError) as exc:
             return _fail(args, USAGE, exc)
+        if not (args.queues or args.queue_options or isinstance(args.loaded, Tasks)):
+            return _fail(args, USAGE, ValueError(f"give the queues {args.target} works on"))
+        if isinstance(args.loaded, Tasks) and not len(args.loaded):
+            return _fail(args, USAGE, ValueError(f"{args.target} has no task function"))
     if args.verb == "demo":
         from .demo import run_demo
 

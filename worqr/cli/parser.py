@@ -229,7 +229,11 @@ def parser() -> argparse.ArgumentParser:
     check = verb("check", cmd_check, "find what breaks the invariants (exit 1 if any)")
     check.add_argument("--repair", action="store_true", help="fix what is found")
     working = argparse.ArgumentParser(add_help=False)  # the options of run and worker
-    working.add_argument("--concurrency", type=count, default=1, help="tasks at once (default: 1)")
+    working.add_argument(
+        "--concurrency",
+        type=count,
+        help="tasks at once per queue (default: 1; 10 for a Tasks registry, as Worqr.serve)",
+    )
     working.add_argument(
         "--grace",
         type=seconds,
@@ -282,14 +286,23 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("queue")
     worker = verbs.add_parser(
         "worker",
-        help="work queues with an async Python handler: worqr worker MODULE:NAME QUEUE...",
+        help="serve a Tasks registry (MODULE:TASKS [QUEUE...]) or work queues with an async"
+        " handler (MODULE:HANDLER QUEUE...)",
         parents=[common, working],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=WORKER_CONTRACT,
     )
     worker.set_defaults(handler=cmd_worker)
-    worker.add_argument("target", metavar="MODULE:HANDLER")
-    worker.add_argument("queues", nargs="+", metavar="QUEUE")
+    worker.add_argument("target", metavar="MODULE:TASKS|MODULE:HANDLER")
+    worker.add_argument("queues", nargs="*", metavar="QUEUE")
+    worker.add_argument(
+        "--queue",
+        action="append",
+        default=[],
+        dest="queue_options",
+        metavar="QUEUE",
+        help="a queue to serve (again for more; default for a registry: all its queues)",
+    )
     worker.add_argument(
         "--priority",
         choices=["weighted", "strict"],
@@ -337,13 +350,18 @@ that on (exec its last command, or setpriv --pdeathsig KILL). Elsewhere children
 a killed worqr run."""
 
 
-WORKER_CONTRACT = """work queues with an async Python handler, as Worqr.consume does.
+WORKER_CONTRACT = """serve a Tasks registry, as Worqr.serve does, or work queues with an
+async Python handler, as Worqr.consume does.
 
 MODULE is imported (the current directory first on the path, as for python -m) and
-HANDLER is a name in it (dotted for one further in: app.tasks:mailer.send). It must be
-an async function, or an object with an async __call__, that takes the Process and
-returns a str (the result) or None; anything else, or a module that fails to
-import, is refused before the worker connects, with exit code 2. Each QUEUE gets
+the name after the colon is looked up in it (dotted for one further in:
+app.tasks:mailer.send). A Tasks registry (app.tasks:tasks) is served on the queues
+given (as QUEUE or --queue), by default every queue its functions name: its start-up
+hooks run first, each call goes to the function it names, and its shut-down hooks run
+last. Anything else must be an async function, or an object with an async __call__,
+that takes the Process and returns a str (the result) or None, and needs at least one
+QUEUE; anything else, or a module that fails to import, is refused before the worker
+connects, with exit code 2. Each QUEUE gets
 --concurrency handler slots. An exception fails the attempt (a job with attempts left
 is tried again after its backoff; other tasks go to the failed list). A line per task
 goes to stderr (queue, process id, task, outcome, duration) unless -q. SIGTERM or

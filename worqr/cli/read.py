@@ -188,6 +188,11 @@ async def cmd_job(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     ]
     if info.after:
         rows.append(["waits for", " ".join(info.after)])
+    if info.function is not None:
+        rows.insert(1, ["function", info.function])
+    if info.progress is not None:
+        note = "" if info.progress_note is None else f" {info.progress_note}"
+        rows.insert(3, ["progress", f"{info.progress:.0%}{note}"])
     emit(out, args, data, table(rows, ["JOB", info.id]))
     return OK
 

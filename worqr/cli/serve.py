@@ -9,6 +9,7 @@ import shutil
 from typing import TextIO
 
 from .._layout.names import check_queue
+from .._tasks.registry import Tasks
 from .._worqr import Worqr
 from . import loop as _loop
 from .common import FAILED, OK, CommandError
@@ -29,23 +30,30 @@ async def cmd_run(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
             worqr,
             args.queue,
             args.command,
-            concurrency=args.concurrency,
+            concurrency=args.concurrency or 1,
             grace=args.grace,
             quiet=args.quiet,
         )
     return code
 
 
+SERVE_CONCURRENCY = 10
+"""A registry's calls at once per queue unless --concurrency says (`Worqr.serve`'s)."""
+
+
 async def cmd_worker(worqr: Worqr, args: argparse.Namespace, out: TextIO) -> int:
     from .worker import serve
 
-    queues = list(dict.fromkeys(check_queue(queue) for queue in args.queues))  # once each
+    given = [*args.queues, *args.queue_options]
+    queues = list(dict.fromkeys(check_queue(queue) for queue in given))  # once each
+    registry = isinstance(args.loaded, Tasks)
+    concurrency = args.concurrency or (SERVE_CONCURRENCY if registry else 1)
     with _loop.frozen_heap():
         code: int = await serve(
             worqr,
             queues,
             args.loaded,
-            concurrency=args.concurrency,
+            concurrency=concurrency,
             priority=args.priority,
             grace=args.grace,
             quiet=args.quiet,

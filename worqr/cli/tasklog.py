@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from .._layout.models import Process
 from .._log import excerpt
 from .._peer.consumer import Handler
-from .._peer.handlers import BadResult, LargeResult, check_result
+from .._peer.handlers import Refused, check_result
 
 logger = logging.getLogger("worqr.tasks")
 
@@ -49,11 +49,8 @@ def talk(
             result = check_result(await handler(process), limit)
             outcome = "done"
             return result
-        except BadResult as exc:  # the record says TypeError: so does the line
-            outcome = f"failed: TypeError: {exc}".split("\n")[0]
-            raise
-        except LargeResult as exc:
-            outcome = f"failed: ValueError: {exc}"
+        except Refused as exc:  # the record says TypeError (or so): so does the line
+            outcome = f"failed: {exc.kind}: {exc}".split("\n")[0]
             raise
         except Exception as exc:
             outcome = f"failed: {type(exc).__name__}: {exc}".split("\n")[0]
@@ -67,6 +64,9 @@ def talk(
                 ran = "returned" if outcome == "done" else outcome
                 outcome = f"lease lost, end refused; its task runs again (the handler {ran})"
             job = "" if process.job_id is None else f" job {process.job_id}"
+            header = None if process.envelope is None else process.envelope.header
+            if header is not None and header.function is not None:
+                job += f" {header.function}"  # a call: its function, then its arguments
             logger.log(
                 level,
                 "%s %s%s %s: %s (%.3f s)",

@@ -1,5 +1,6 @@
-"""``worqr worker MODULE:HANDLER QUEUE [QUEUE...]``: run an async Python handler on
-queues from the shell, the way `Worqr.consume` does in a program.
+"""``worqr worker MODULE:TASKS [QUEUE...]``: serve a `Tasks` registry from the shell,
+the way `Worqr.serve` does in a program; ``worqr worker MODULE:HANDLER QUEUE
+[QUEUE...]``: run an async Python handler on queues, the way `Worqr.consume` does.
 
 ``MODULE`` is imported as ``import`` would (the current directory first on the path,
 as ``python -m`` has it); ``HANDLER`` names an attribute of it, dotted for one further
@@ -24,6 +25,7 @@ import anyio
 from .._errors import ClosedError
 from .._peer.consumer import Handler
 from .._peer.handlers import check_handler
+from .._tasks.registry import Tasks
 from .._worqr import Worqr, runtime
 from .stopping import SignalStop
 from .tasklog import announce, talk
@@ -33,9 +35,10 @@ class HandlerNotFound(Exception):
     """MODULE:HANDLER names no importable module or no attribute of it."""
 
 
-def load_handler(spec: str) -> Handler:
-    """The handler ``spec`` (``module:attribute``) names, checked (`check_handler`);
-    `HandlerNotFound` when it names nothing, `TypeError` when it cannot be a handler."""
+def load_handler(spec: str) -> Handler | Tasks:
+    """The registry or the handler ``spec`` (``module:attribute``) names, a handler
+    checked (`check_handler`); `HandlerNotFound` when it names nothing, `TypeError`
+    when it is neither."""
     module_name, colon, attribute = spec.partition(":")
     if not colon or not module_name or not attribute:
         raise HandlerNotFound(f"give the handler as MODULE:NAME (app.tasks:send), got {spec!r}")
@@ -54,6 +57,8 @@ def load_handler(spec: str) -> Handler:
             target = getattr(target, part)
         except AttributeError:
             raise HandlerNotFound(f"{module_name!r} has no {attribute!r} (from {spec!r})") from None
+    if isinstance(target, Tasks):
+        return target
     check_handler(target)
     return target  # type: ignore[return-value]  # checked just above
 
@@ -83,39 +88,53 @@ def _import_failure(module_name: str, exc: Exception) -> str:
 async def serve(
     worqr: Worqr,
     queues: list[str],
-    handler: Handler,
+    handler: Handler | Tasks,
     *,
     concurrency: int,
     priority: str,
     grace: float,
     quiet: bool,
 ) -> int:
-    """Consume every queue of ``queues`` with ``handler`` until each is deleted or a
-    stop signal; returns the exit code, 0."""
+    """Consume every queue of ``queues`` with ``handler`` (a registry: serve it, on
+    ``queues`` or all of its own) until each is deleted or a stop signal; returns the
+    exit code, 0."""
     stop = SignalStop(worqr, grace)
-    work = (
-        handler
-        if quiet
-        else talk(
-            handler, lambda: stop.signalled, worqr.max_payload_bytes, runtime(worqr).lease_lapsed
-        )
-    )
+
+    def talking(work: Handler) -> Handler:
+        if quiet:
+            return work
+        limit, lapsed = worqr.max_payload_bytes, runtime(worqr).lease_lapsed
+        return talk(work, lambda: stop.signalled, limit, lapsed)
 
     async def consume(queue: str) -> None:
+        work = talking(handler)  # type: ignore[arg-type]  # not a registry here
         try:
             await worqr.consume(queue, work, concurrency=concurrency, priority=priority)
         except ClosedError:
             if not stop.signalled:  # shut down while consume was starting
                 raise
 
+    async def consume_all() -> None:
+        if isinstance(handler, Tasks):
+            await handler.serve_on(
+                worqr,
+                queues=queues or None,
+                concurrency=concurrency,
+                priority=priority,
+                wrap=talking,
+            )
+            return
+        async with anyio.create_task_group() as every_queue:
+            for queue in queues:
+                every_queue.start_soon(consume, queue)
+
     if not quiet:
-        announce(worqr.worker_id, queues, concurrency)
+        shown = queues or (handler.queues if isinstance(handler, Tasks) else [])
+        announce(worqr.worker_id, shown, concurrency)
     async with anyio.create_task_group() as tg:
         consuming = anyio.CancelScope()
         await tg.start(stop.watch, consuming)
         with consuming:
-            async with anyio.create_task_group() as every_queue:
-                for queue in queues:
-                    every_queue.start_soon(consume, queue)
+            await consume_all()
         tg.cancel_scope.cancel()  # the signal watcher; a shutdown in progress is shielded
     return 0

@@ -93,9 +93,11 @@ async def snapshot(worqr: Worqr, pulse: Pulse) -> dict[str, Any]:
     now = time.time()
     every = await worqr.get_processes()
     processes = []
-    for process in every[:SHOWN]:
+    reported = await worqr.get_progress(every[:SHOWN])
+    for process, progress in zip(every[:SHOWN], reported, strict=True):
         shown = process_json(process)
         shown["age"] = max(0.0, now - int(split_process_id(process.id).token[:16], 16) / 1e9)
+        shown["progress"], shown["progress_note"] = progress or (None, None)
         processes.append(shown)
     return {
         "time": now,
