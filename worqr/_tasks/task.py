@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from typing_extensions import ParamSpec, TypedDict, Unpack
 
 from .._job import Job
+from .._layout.envelope import MAX_FUNCTION
 from .._layout.jobs import Backoff, JobInfo, JobStatus, Options
 from .._layout.jobs import options as job_options
 from .._peer.handlers import is_async
@@ -191,16 +192,32 @@ class TaskCall(Generic[P, R]):
         except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             kind = ValueError if isinstance(exc, ValueError) else TypeError
             raise kind(f"{task.name}: {exc}") from None
-        choices = dataclasses.replace(
-            _job_options(self._options), function=task.name, codec=task.codec.name
-        )
-        after = self._options.get("after")
-        if after is not None and not isinstance(after, str | bytes):
-            after = [item.job if isinstance(item, TaskJob) else item for item in after]
-        (job,) = await submit_calls(
-            worqr, task.queue, [payload], choices, self._options.get("job_id"), after
+        job = await submit_call(
+            worqr, task.queue, task.name, payload, self._options, codec=task.codec.name
         )
         return TaskJob(job, task.decode_result)
+
+
+async def submit_call(
+    worqr: Worqr,
+    queue: str,
+    function: str,
+    payload: str,
+    options: Mapping[str, Any],
+    *,
+    codec: str = "json",
+) -> Job:
+    """Submit a call of ``function`` whose arguments ``payload`` holds, encoded in
+    ``codec`` already, with the job options ``options`` (`CallOptions`): a typed
+    `Task`'s submit, and the HTTP API's for other languages."""
+    if not isinstance(function, str) or not 0 < len(function) <= MAX_FUNCTION:
+        raise ValueError(f"a function's name must be 1-{MAX_FUNCTION} characters")
+    choices = dataclasses.replace(_job_options(options), function=function, codec=codec)
+    after = options.get("after")
+    if after is not None and not isinstance(after, str | bytes):
+        after = [item.job if isinstance(item, TaskJob) else item for item in after]
+    (job,) = await submit_calls(worqr, queue, [payload], choices, options.get("job_id"), after)
+    return job
 
 
 def _job_options(options: Mapping[str, Any]) -> Options:

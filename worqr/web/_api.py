@@ -19,6 +19,8 @@ from .._layout.jobs import JobInfo
 from .._layout.models import QueueStatistics
 from .._layout.names import check_queue, check_worker_id, parse_process_id
 from .._layout.records import failed_json, fleet_json, job_json, process_json, worker_json
+from .._tasks.codecs import CODECS
+from .._tasks.task import submit_call
 from .._worqr import Worqr, runtime
 from ._leases import HttpWorkers
 from ._problems import Refused
@@ -201,25 +203,36 @@ async def submit(worqr: Worqr, request: Request) -> Any:
     if unknown:
         raise Refused("bad_request", f"unknown field(s): {', '.join(sorted(unknown))}")
     after = strings(body, "after", [])
-    job = await worqr.submit(
-        queue_of(request),
-        field(body, "payload", str),
-        job_id=field(body, "job_id", str, None),
-        max_attempts=field(body, "max_attempts", int, 1),
-        backoff=field(body, "backoff", float, None),
-        timeout=field(body, "timeout", float, None),
-        delay=field(body, "delay", float, None),
-        result_ttl=field(body, "result_ttl", float, 86400.0),
-        unique=field(body, "unique", bool, False),
-        priority=field(body, "priority", str, "normal"),
-        after=after or None,
-    )
+    options: dict[str, Any] = {
+        "job_id": field(body, "job_id", str, None),
+        "max_attempts": field(body, "max_attempts", int, 1),
+        "backoff": field(body, "backoff", float, None),
+        "timeout": field(body, "timeout", float, None),
+        "delay": field(body, "delay", float, None),
+        "result_ttl": field(body, "result_ttl", float, 86400.0),
+        "unique": field(body, "unique", bool, False),
+        "priority": field(body, "priority", str, "normal"),
+        "after": after or None,
+    }
+    function = field(body, "function", str, None)
+    if function is None:
+        if "arguments" in body:
+            raise Refused("bad_request", "'arguments' go with 'function' (a call)")
+        job = await worqr.submit(queue_of(request), field(body, "payload", str), **options)
+    else:  # a call of a task function: its arguments as the protocol's JSON object
+        if "payload" in body:
+            raise Refused("bad_request", "give 'payload', or 'function' and 'arguments'")
+        arguments = field(body, "arguments", dict, {})
+        payload = CODECS["json"].encode(arguments, deterministic=options["unique"])
+        job = await submit_call(worqr, queue_of(request), function, payload, options)
     info = await job.info()
     return JSONResponse({"id": job.id, "queue": job.queue, "status": _status(info)}, 201)
 
 
 _SUBMIT_FIELDS = {
     "payload",
+    "function",
+    "arguments",
     "job_id",
     "max_attempts",
     "backoff",
