@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -525,3 +526,29 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
     assert lost == [taken.id]
     assert await worker.get_tasks("jobs") == ["t"]  # handed back once, to run again
     assert await worker.get_failed("jobs") == []
+
+
+async def test_a_start_of_work_racing_the_workers_shutdown_leaves_no_work_list(
+    make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``start_work``'s SADD of the work list reaches Redis after the shutdown's
+    ``fail_worker`` cleared it (seen in a chaos run behind the proxy): the start takes
+    the queue off again, so ``check`` finds no work list of a gone worker."""
+    worqr = make()
+    await worqr.start_worker()
+    real = _ops.workers.start_work
+    shutting = anyio.Event()
+
+    async def late(*args: Any, **kwargs: Any) -> Any:
+        await shutting.wait()
+        await anyio.sleep(0.2)  # the shutdown's fail_worker is done by now
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(_ops.workers, "start_work", late)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worqr.start_work, "late")
+        await anyio.sleep(0.05)
+        shutting.set()
+        await worqr.fail_worker()
+    report = await worqr.check()
+    assert [p.kind for p in report.problems] == [], report.problems

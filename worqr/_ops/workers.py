@@ -124,6 +124,16 @@ async def deletions(r: Client, keys: Keys, queues: Sequence[str]) -> list[str | 
 
 
 @redis_boundary
+async def forget_work(r: Client, keys: Keys, worker_id: str, queue: str) -> None:
+    """Take a queue off a worker's work list, where a `start_work` that raced the
+    worker's end (a shutdown, `fail_worker`) put it after the end cleared the list.
+
+    1. SREM w:queues queue
+    """
+    await reads(r, [("SREM", keys.worker_queues(worker_id), queue)])
+
+
+@redis_boundary
 async def stop_work(r: Client, keys: Keys, worker_id: str, queue: str) -> list[str]:
     """Stop a worker's work on a queue: reclaim its processes there, then forget the queue.
 

@@ -180,13 +180,18 @@ class Worker:
         waiting, deleted, message = await _ops.workers.start_work(
             parts.redis, parts.keys, parts.worker_id, queue
         )
-        if queue in working:
-            working[queue] = deleted
-            self._promoter.watch(queue, None)  # due times announced from now on count
-            self._scheduler.watch(queue)
-            self._releaser.watch(queue)
-            (due,) = await _ops.promote.next_due(parts.redis, parts.keys, [queue])
-            await self._promoter.catch_up(queue, due)
+        if queue not in working:
+            # The worker ended (shut down, failed) or stopped work on the queue while
+            # this start was on its way: that cleared the work list first, and the SADD
+            # above wrote the queue in again, for no one.
+            await _ops.workers.forget_work(parts.redis, parts.keys, parts.worker_id, queue)
+            return
+        working[queue] = deleted
+        self._promoter.watch(queue, None)  # due times announced from now on count
+        self._scheduler.watch(queue)
+        self._releaser.watch(queue)
+        (due,) = await _ops.promote.next_due(parts.redis, parts.keys, [queue])
+        await self._promoter.catch_up(queue, due)
         if waiting:
             await _ops.writes.publish(parts.redis, parts.keys, queue, "work", message)
 
