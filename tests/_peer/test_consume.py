@@ -547,7 +547,9 @@ async def test_a_take_cut_off_by_its_limit_hands_its_tasks_back_before_the_next(
     """The first dequeue is applied in Redis but its caller gives up on it (a reply
     slower than the consumer's take limit): its two tasks go back to the front before
     the consumer takes again, so every task starts once and in order (left to the
-    audit, the tasks behind them would start first)."""
+    audit, the tasks behind them would start first). The consumer then takes at once:
+    a blocking take armed after the cut-off raced that take on a loaded machine and
+    started the tasks out of order."""
     worker, producer = make(), make()
     tasks = ["a", "b", "c", "d", "e", "f"]
     await producer.enqueue("jobs", tasks)

@@ -406,7 +406,11 @@ class Consumer:
                 await self._start_taken(taken, self._cancelled_meanwhile)
                 self._backlog = len(taken) == free
                 return self._backlog
-            return False
+            # Cut off: what it took is back at the head of the queue. Take again now,
+            # not after arming the blocking take, which would race that next take for
+            # those tasks and could start them out of order.
+            self._backlog = True
+            return True
         finally:
             self._dequeuing, self._asked = False, 0
 
