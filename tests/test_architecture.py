@@ -99,7 +99,7 @@ REACHES_ALLOWED = {
     ("worqr/_worqr.py", "base._timing"),
     ("worqr/_worqr.py", "base._given"),
     ("worqr/_worqr.py", "worqr._owned"),  # `from_url`, on the Worqr it made
-    ("worqr/_worqr.py", "worqr._submit"),  # `submit_calls`: the function layer's submit
+    ("worqr/_worqr.py", "worqr._submit_one"),  # `submit_with`: the function layer's submit
     ("worqr/_redis/wire.py", "connection._parser"),  # redis-py's reader, for the wire
     ("worqr/_redis/wire.py", "parser._reader"),
     ("worqr/cli/read.py", "s.rate_limit._asdict"),  # a NamedTuple's public method

@@ -38,7 +38,7 @@ from ._errors import (
 from ._job import Job, JobCalls, check_after
 from ._layout.envelope import check_job_id, check_plain_task
 from ._layout.flow import RateLimit, Throttled, check_rate_limit
-from ._layout.jobs import Backoff, JobInfo, JobStatus
+from ._layout.jobs import RESULT_TTL, Backoff, JobInfo, JobStatus
 from ._layout.jobs import Options as JobOptions
 from ._layout.jobs import options as job_options
 from ._layout.keys import Keys
@@ -99,7 +99,6 @@ from ._redis.urls import Closable, connect
 DEFAULT_SHUTDOWN_GRACE = 5.0
 MAX_NOTE = 1024
 """The longest progress note, in characters."""
-_DAY = 86400.0
 _ENQUEUE_BATCH = 256  # enqueue calls sent in one round trip at most
 _CLOSE_LIMIT = 10.0  # seconds close() waits for the background loops to end
 _LEAVE_PAUSES = (0.1, 0.3, 1.0, 2.0, None)  # between tries of the shutdown's fail_worker
@@ -555,7 +554,7 @@ class Worqr:
         timeout: float | None = None,  # noqa: ASYNC109 (the job's timeout, not this call's)
         delay: float | None = None,
         at: datetime.datetime | float | None = None,
-        result_ttl: float = _DAY,
+        result_ttl: float = RESULT_TTL,
         unique: bool = False,
         priority: str = "normal",
         after: Sequence[str | Job] | None = None,
@@ -581,9 +580,6 @@ class Worqr:
         (nothing is written).
         """
         check_queue(queue)
-        given = None if job_id is None else check_job_id(job_id)
-        if given is not None and unique is True:
-            raise ValueError("give a job id or unique (an id made from the payload), not both")
         choices = job_options(
             max_attempts=max_attempts,
             backoff=backoff,
@@ -594,8 +590,8 @@ class Worqr:
             unique=unique,
             priority=priority,
         )
-        (job,) = await self._submit(
-            queue, [check_task(payload, "payload")], given, choices, check_after(after, queue)
+        (job,) = await self._submit_one(
+            queue, check_task(payload, "payload"), job_id, choices, after
         )
         return job
 
@@ -609,7 +605,7 @@ class Worqr:
         timeout: float | None = None,  # noqa: ASYNC109 (the jobs' timeout)
         delay: float | None = None,
         at: datetime.datetime | float | None = None,
-        result_ttl: float = _DAY,
+        result_ttl: float = RESULT_TTL,
         unique: bool = False,
         priority: str = "normal",
         after: Sequence[str | Job] | None = None,
@@ -633,6 +629,15 @@ class Worqr:
         return await self._submit(
             queue, check_tasks(payloads, "payload"), None, choices, check_after(after, queue)
         )
+
+    async def _submit_one(
+        self, queue: str, payload: str, job_id: str | None, choices: JobOptions, after: object
+    ) -> list[Job]:
+        """`submit` of a checked payload: its job id and ``after`` checked, then `_submit`."""
+        given = None if job_id is None else check_job_id(job_id)
+        if given is not None and choices.unique:
+            raise ValueError("give a job id or unique (an id made from the payload), not both")
+        return await self._submit(queue, [payload], given, choices, check_after(after, queue))
 
     async def _submit(
         self,
@@ -731,7 +736,7 @@ class Worqr:
         max_attempts: int = 1,
         backoff: Backoff | float | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (each run's timeout)
-        result_ttl: float = _DAY,
+        result_ttl: float = RESULT_TTL,
         priority: str = "normal",
     ) -> None:
         """Store (or replace) the schedule ``name``: a job of ``payload`` submitted to
@@ -1174,22 +1179,14 @@ class Servable(Protocol):
     ) -> None: ...
 
 
-async def submit_calls(
-    worqr: Worqr,
-    queue: str,
-    payloads: list[str],
-    choices: JobOptions,
-    job_id: str | None,
-    after: object,
-) -> list[Job]:
-    """Submit jobs whose payloads are calls already encoded (``choices`` names their
+async def submit_with(
+    worqr: Worqr, queue: str, payload: str, job_id: str | None, choices: JobOptions, after: object
+) -> Job:
+    """Submit a job whose payload is a call already encoded (``choices`` names its
     function and format), for the function layer (`worqr.Tasks`): `Worqr.submit`'s
     checks and path, with a header the public call does not set."""
-    check_queue(queue)
-    given = None if job_id is None else check_job_id(job_id)
-    if given is not None and choices.unique:
-        raise ValueError("give a job id or unique (an id made from the arguments), not both")
-    return await worqr._submit(queue, payloads, given, choices, check_after(after, queue))
+    (job,) = await worqr._submit_one(check_queue(queue), payload, job_id, choices, after)
+    return job
 
 
 def runtime(worqr: Worqr) -> Worker:

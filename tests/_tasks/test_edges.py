@@ -212,8 +212,10 @@ async def test_cancelled_during_start_up_the_shut_down_hooks_still_run(make: Fac
         seen.append("cleaned")
 
     worqr = make()
-    with anyio.move_on_after(0.3):
-        await worqr.serve(registry)
+    async with anyio.create_task_group() as group:
+        group.start_soon(worqr.serve, registry)
+        await eventually(lambda: seen == ["starting"])
+        group.cancel_scope.cancel()
     assert seen == ["starting", "cleaned"]
     job = await noop.submit(worqr)
     assert await job.status() is JobStatus.QUEUED

@@ -130,7 +130,7 @@ async def test_a_hung_plain_def_does_not_keep_the_worker_after_sigterm(
     def hang(seconds: float) -> None:
         raise NotImplementedError
 
-    job = await hang.submit(peer, 60.0)
+    job = await hang.submit(peer, 3600.0)
     argv = [str(SCRIPT), "--url", redis_url, "--prefix", prefix, "worker", "calls:tasks"]
     async with command(
         [*argv, "--queue", "slow", "--grace", "0.2"], app, tmp_path / "w.log"
@@ -140,9 +140,7 @@ async def test_a_hung_plain_def_does_not_keep_the_worker_after_sigterm(
             return bool(await peer.get_processes("slow"))
 
         await eventually(running, within=20)
-        started = anyio.current_time()
-        await stop(process)
-        assert anyio.current_time() - started < 10  # not the 60 s the thread sleeps
+        await stop(process)  # it exits: not after the hour the thread sleeps
     assert await peer.get_tasks("slow") != [] and await job.status() is JobStatus.QUEUED
 
 

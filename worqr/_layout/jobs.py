@@ -210,18 +210,23 @@ class Options:
         return b"%s\0%s\0%s" % (self.function.encode(), self.codec.encode(), data)
 
 
+RESULT_TTL = 86400.0
+"""Seconds a job's outcome stays readable unless its submit says otherwise: a day."""
+
+
 def options(
     *,
-    max_attempts: object,
-    backoff: object,
-    timeout: object,
-    delay: object,
-    at: object,
-    result_ttl: object,
-    unique: object,
+    max_attempts: object = 1,
+    backoff: object = None,
+    timeout: object = None,
+    delay: object = None,
+    at: object = None,
+    result_ttl: object = RESULT_TTL,
+    unique: object = False,
     priority: object = "normal",
 ) -> Options:
-    """Check the options of a submit, saying what is wrong with the first bad one."""
+    """Check the options of a submit, saying what is wrong with the first bad one
+    (those not given take `Worqr.submit`'s defaults)."""
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int):
         raise TypeError(f"max_attempts must be an int, not {type(max_attempts).__name__}")
     if not 1 <= max_attempts <= MAX_ATTEMPTS:
@@ -271,3 +276,13 @@ def _unix_ms(at: object) -> int:
             f"at must be Unix seconds between 0 and {MAX_UNIX_MS / 1000:g}, got {at!r}"
         )
     return round(at * 1000)
+
+
+def fraction_of(raw: str | bytes | None) -> float | None:
+    """A stored progress fraction (``progress`` of a job's record), None for none or
+    for anything that is not a number from 0 to 1."""
+    try:
+        value = None if raw is None else float(raw)
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 <= value <= 1.0 else None

@@ -12,6 +12,7 @@ from redis.asyncio.client import Pipeline
 
 from .._errors import CorruptDataError, redis_boundary
 from .._layout.flow import Flow, read_flow
+from .._layout.jobs import fraction_of
 from .._layout.keys import Keys
 from .._layout.models import Process, WorkerInfo
 from .._layout.state import JobState
@@ -97,16 +98,14 @@ async def progress(
         r, [("HMGET", keys.job(queue, job_id), "progress", "note") for queue, job_id in jobs]
     )
     found: list[tuple[float, str | None] | None] = []
-    for reply in replies:
-        fraction = note = None
-        if isinstance(reply, list) and len(reply) == 2 and reply[0] is not None:
-            try:
-                fraction = float(text(reply[0]))
-            except ValueError:
-                fraction = None
-            note = None if reply[1] is None else text(reply[1])
-        found.append(None if fraction is None or not 0 <= fraction <= 1 else (fraction, note))
+    for reply in replies:  # a wrong-typed record's error in place: no progress
+        fraction = fraction_of(reply[0]) if isinstance(reply, list) and len(reply) == 2 else None
+        found.append(None if fraction is None else (fraction, _text_or_none(reply[1])))
     return found
+
+
+def _text_or_none(raw: str | bytes | None) -> str | None:
+    return None if raw is None else text(raw)
 
 
 PLAIN_PROTOCOL = "2"

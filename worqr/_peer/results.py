@@ -18,7 +18,7 @@ from typing import Any
 
 from .._errors import ClosedError, JobFailedError
 from .._layout.deps import dependencies_of
-from .._layout.jobs import JobInfo, JobStatus
+from .._layout.jobs import JobInfo, JobStatus, fraction_of
 from .._layout.state import JobState
 from .._ops.inspect import JobRecord
 from .events import Events
@@ -169,7 +169,7 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
         if state == JobState.WAITING.value
         else (),
         function=fields.get("fn"),
-        progress=_fraction(fields.get("progress")),
+        progress=fraction_of(fields.get("progress")),
         progress_note=fields.get("note"),
     )
 
@@ -208,14 +208,6 @@ def _int(raw: str | None) -> int:
         return int(raw or 0)
     except ValueError:
         return 0
-
-
-def _fraction(raw: str | None) -> float | None:
-    try:
-        value = None if raw is None else float(raw)
-    except ValueError:
-        return None
-    return value if value is not None and 0.0 <= value <= 1.0 else None
 
 
 def _seconds(raw: str | None) -> float | None:

@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec
 
 from .._errors import ClosedError
 from .._layout.envelope import MAX_FUNCTION
-from .._layout.jobs import Backoff
+from .._layout.jobs import RESULT_TTL, Backoff
 from .._layout.names import check_queue
 from .._log import logger
 from .._peer.consumer import Handler
@@ -23,12 +23,11 @@ from .codecs import Format, codec
 from .context import Context
 from .dispatch import Dispatcher
 from .shape import shape_of
-from .task import Task, _job_options
+from .task import Task, checked_options
 
 P = ParamSpec("P")
 R = TypeVar("R")
 Hook = TypeVar("Hook", bound=Callable[[Context], Any])
-_DAY = 86400.0
 _log = logger.getChild("tasks")
 
 
@@ -108,7 +107,7 @@ class Tasks:
         backoff: Backoff | float | None = None,
         timeout: float | None = None,
         priority: str = "normal",
-        result_ttl: float = _DAY,
+        result_ttl: float = RESULT_TTL,
     ) -> Decorator: ...
     def task(
         self,
@@ -120,7 +119,7 @@ class Tasks:
         backoff: Backoff | float | None = None,
         timeout: float | None = None,
         priority: str = "normal",
-        result_ttl: float = _DAY,
+        result_ttl: float = RESULT_TTL,
     ) -> Any:
         """Register a function (``async def`` or plain ``def``) as a task, as
         ``@tasks.task`` or ``@tasks.task(queue=..., ...)``.
@@ -141,7 +140,7 @@ class Tasks:
             "priority": priority,
             "result_ttl": result_ttl,
         }
-        _job_options(options)  # checked now, not at the first submit
+        checked_options(options)  # checked now, not at the first submit
         where = self._queue if queue is None else check_queue(queue)
 
         def register(target: Callable[..., Any]) -> Task[Any, Any]:

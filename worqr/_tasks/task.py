@@ -16,7 +16,7 @@ from .._layout.envelope import MAX_FUNCTION
 from .._layout.jobs import Backoff, JobInfo, JobStatus, Options
 from .._layout.jobs import options as job_options
 from .._peer.handlers import is_async
-from .._worqr import Worqr, submit_calls
+from .._worqr import Worqr, submit_with
 from .codecs import Codec
 from .shape import Shape
 
@@ -44,7 +44,10 @@ class CallOptions(TypedDict, total=False):
     after: Sequence[str | Job | TaskJob[Any]] | None
 
 
-_JOB_OPTIONS = ("max_attempts", "backoff", "timeout", "delay", "at", "result_ttl", "unique")
+_JOB_OPTIONS = frozenset(
+    ("max_attempts", "backoff", "timeout", "delay", "at", "result_ttl", "unique", "priority")
+)
+"""The options that `_layout.jobs.options` checks (``job_id`` and ``after`` go apart)."""
 _OPTIONS = frozenset(CallOptions.__annotations__)
 
 
@@ -62,7 +65,7 @@ def merged(base: Mapping[str, Any], given: Mapping[str, object]) -> dict[str, An
         if due in given:
             options.pop(other, None)
     options.update(given)
-    _job_options(options)
+    checked_options(options)
     return options
 
 
@@ -212,25 +215,13 @@ async def submit_call(
     `Task`'s submit, and the HTTP API's for other languages."""
     if not isinstance(function, str) or not 0 < len(function) <= MAX_FUNCTION:
         raise ValueError(f"a function's name must be 1-{MAX_FUNCTION} characters")
-    choices = dataclasses.replace(_job_options(options), function=function, codec=codec)
+    choices = dataclasses.replace(checked_options(options), function=function, codec=codec)
     after = options.get("after")
     if after is not None and not isinstance(after, str | bytes):
         after = [item.job if isinstance(item, TaskJob) else item for item in after]
-    (job,) = await submit_calls(worqr, queue, [payload], choices, options.get("job_id"), after)
-    return job
+    return await submit_with(worqr, queue, payload, options.get("job_id"), choices, after)
 
 
-def _job_options(options: Mapping[str, Any]) -> Options:
+def checked_options(options: Mapping[str, Any]) -> Options:
     """The checked `Options` of ``options`` (Worqr.submit's checks and defaults)."""
-    chosen: dict[str, Any] = {
-        "max_attempts": 1,
-        "backoff": None,
-        "timeout": None,
-        "delay": None,
-        "at": None,
-        "result_ttl": 86400.0,
-        "unique": False,
-        "priority": "normal",
-    }
-    chosen.update((k, v) for k, v in options.items() if k in _JOB_OPTIONS or k == "priority")
-    return job_options(**chosen)
+    return job_options(**{k: v for k, v in options.items() if k in _JOB_OPTIONS})

@@ -106,8 +106,7 @@ async def serve(
         limit, lapsed = worqr.max_payload_bytes, runtime(worqr).lease_lapsed
         return talk(work, lambda: stop.signalled, limit, lapsed)
 
-    async def consume(queue: str) -> None:
-        work = talking(handler)  # type: ignore[arg-type]  # not a registry here
+    async def consume(queue: str, work: Handler) -> None:
         try:
             await worqr.consume(queue, work, concurrency=concurrency, priority=priority)
         except ClosedError:
@@ -124,9 +123,10 @@ async def serve(
                 wrap=talking,
             )
             return
+        work = talking(handler)
         async with anyio.create_task_group() as every_queue:
             for queue in queues:
-                every_queue.start_soon(consume, queue)
+                every_queue.start_soon(consume, queue, work)
 
     if not quiet:
         shown = queues or (handler.queues if isinstance(handler, Tasks) else [])

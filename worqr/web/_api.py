@@ -15,7 +15,7 @@ from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from .._errors import JobFailedError
-from .._layout.jobs import JobInfo
+from .._layout.jobs import RESULT_TTL, JobInfo
 from .._layout.models import QueueStatistics
 from .._layout.names import check_queue, check_worker_id, parse_process_id
 from .._layout.records import failed_json, fleet_json, job_json, process_json, worker_json
@@ -209,7 +209,7 @@ async def submit(worqr: Worqr, request: Request) -> Any:
         "backoff": field(body, "backoff", float, None),
         "timeout": field(body, "timeout", float, None),
         "delay": field(body, "delay", float, None),
-        "result_ttl": field(body, "result_ttl", float, 86400.0),
+        "result_ttl": field(body, "result_ttl", float, RESULT_TTL),
         "unique": field(body, "unique", bool, False),
         "priority": field(body, "priority", str, "normal"),
         "after": after or None,
