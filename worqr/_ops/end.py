@@ -38,6 +38,7 @@ from .commands import (
     reads,
 )
 from .writes import (
+    DUE_EVENT,
     LOOK,
     _end_job,
     _says_ended,
@@ -51,6 +52,7 @@ from .writes import (
     event,
     failed_record,
     job_end,
+    level_pushes,
     local_ms,
     stored,
     trim_jobs,
@@ -246,6 +248,17 @@ async def finish(
     return await _end_process(r, keys, ref, plan)
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed attempt, as `fail` takes it: its ``error`` (and ``trace``), the
+    ``delay`` before another attempt (None: its backoff), and whether it is ``final``."""
+
+    error: str
+    trace: str = ""
+    delay: float | None = None
+    final: bool = False
+
+
 @redis_boundary
 async def finish_many(
     r: Client,
@@ -286,14 +299,58 @@ async def finish_many(
     A job that nothing waits for costs four commands (HMGET, HSET, HDEL, PEXPIRE) and
     a few arguments: the drain of jobs stays close to that of plain tasks.
     """
+    return await _end_many(r, keys, worker_id, queue, done, now_ms)
+
+
+@redis_boundary
+async def fail_many(
+    r: Client,
+    keys: Keys,
+    worker_id: str,
+    queue: str,
+    failed: Sequence[tuple[Process, Failure]],
+    now_ms: int | None = None,
+) -> list[bool]:
+    """End failed attempts of processes that this worker dequeued from one queue, in
+    one transaction, each as `fail` would; return, per process, whether it still
+    existed. Fenced and read as in `finish_many`, whose steps it takes, with these
+    differences:
+      1. also, in the same round trip: TYPE failed, TYPE <level> (each level a retry
+         goes back to), TYPE delayed (when a retry waits)  -> another type: raise
+         (nothing written; the caller fails each process alone, to find which)
+      2. only for jobs that end failed (a retry hands nothing on)
+      9. per process, the writes of `fail`: the failed list (one RPUSH for all), the
+         job's outcome (`job_end` with its error), or its next attempt:
+           now: RPUSH <level> <envelope'>... (one per level);  PUBLISH events work:N;
+                HSET j:<id> env <envelope'> state queued attempts <a> error <e>;
+                HDEL j:<id> due progress note
+           later: ZADD delayed <due> <envelope'>...;  HSET j:<id> env <envelope'>
+                state delayed attempts <a> error <e> due <due>;  HDEL j:<id> progress
+                note;  PUBLISH events delayed:<earliest due>
+     10. PUBLISH done with a record of each job that ended failed
+    Retries of failing jobs then cost a transaction per batch, as finishes do.
+    """
+    return await _end_many(r, keys, worker_id, queue, failed, now_ms)
+
+
+async def _end_many(
+    r: Client,
+    keys: Keys,
+    worker_id: str,
+    queue: str,
+    ends: Sequence[tuple[Process, str | Failure | None]],
+    now_ms: int | None,
+) -> list[bool]:
+    """`finish_many` and `fail_many`: passes of `_Batch` until every process that still
+    exists is ended."""
     now = local_ms(now_ms)
-    refs = [split_process_id(process.id) for process, _ in done]
+    refs = [split_process_id(process.id) for process, _ in ends]
     if any(ref.worker_id != worker_id or ref.queue != queue for ref in refs):
-        raise ValueError(f"finish_many: every process must be {worker_id}'s in {queue!r}")
-    outcome = [False] * len(done)
-    remaining = list(range(len(done)))
+        raise ValueError(f"ending many: every process must be {worker_id}'s in {queue!r}")
+    outcome = [False] * len(ends)
+    remaining = list(range(len(ends)))
     while remaining:  # each pass ends them all, or finds at least one gone for good
-        ending = [done[i] for i in remaining]
+        ending = [ends[i] for i in remaining]
         procs = [keys.process(queue, refs[i].id) for i in remaining]
         batch = _Batch(keys, worker_id, queue, ending, procs, [refs[i].id for i in remaining])
 
@@ -305,7 +362,7 @@ async def finish_many(
                 outcome[i] = True
             return outcome
         # Some process is gone (reclaimed, stopped, its queue deleted): ids are never
-        # reused, so a gone one stays gone; finish the others together.
+        # reused, so a gone one stays gone; end the others together.
         present = await reads(r, [("EXISTS", proc) for proc in procs])
         remaining = [i for i, flag in zip(remaining, present, strict=True) if flag]
     return outcome
@@ -313,12 +370,13 @@ async def finish_many(
 
 @dataclass(frozen=True)
 class _Batch:
-    """The processes one `finish_many` pass ends, with their keys."""
+    """The processes one `_end_many` pass ends, with their keys; each ends finished
+    with its result, or failed (a `Failure`)."""
 
     keys: Keys
     worker_id: str
     queue: str
-    ending: Sequence[tuple[Process, str | None]]
+    ending: Sequence[tuple[Process, str | Failure | None]]
     procs: Sequence[str]
     ids: Sequence[str]
 
@@ -330,18 +388,27 @@ class _Batch:
         keys, queue = self.keys, self.queue
         jobs = [p for p, _ in self.ending if p.job_id is not None]
         records = [keys.job(queue, p.job_id) for p in jobs if p.job_id is not None]
-        looks: list[Wire] = [("EXISTS", *self.procs), *(("HMGET", rec, *LOOK) for rec in records)]
+        typed = self._typed()
+        looks: list[Wire] = [
+            ("EXISTS", *self.procs),
+            *(("HMGET", rec, *LOOK) for rec in records),
+            *(("TYPE", key) for key, _ in typed),
+        ]
         async with watching(node) as session:
             for _ in range(_MAX_ATTEMPTS):
-                exists, *states = _unless_wrong(await session.look([*self.procs, *records], looks))
+                exists, *rest = _unless_wrong(await session.look([*self.procs, *records], looks))
                 if exists != len(self.procs):
                     return False
+                states, types = rest[: len(records)], rest[len(records) :]
+                for (key, kind), found in zip(typed, types, strict=True):
+                    if text(found) not in (kind, "none"):
+                        raise _corrupt(key, text(found))
                 ended: set[str | None] = set()
                 waited_ids: list[str] = []
-                for p, look in zip(jobs, states, strict=True):
+                for (p, end), look in zip(self._jobs(), states, strict=True):
                     if _says_ended(look, p.stored):
                         ended.add(p.job_id)
-                    elif p.job_id is not None and waited(look):
+                    elif p.job_id is not None and waited(look) and self._ends_job(p, end):
                         waited_ids.append(p.job_id)
                 if ended and waited_ids:  # two copies of one job, one read as ended
                     waited_ids = [job_id for job_id in waited_ids if job_id not in ended]
@@ -356,6 +423,36 @@ class _Batch:
                     _unless_wrong(replies)
                     return True
         raise BackendError(f"gave up after {_MAX_ATTEMPTS} conflicting attempts on {self.procs[0]}")
+
+    def _jobs(self) -> list[tuple[Process, str | Failure | None]]:
+        return [(p, end) for p, end in self.ending if p.job_id is not None]
+
+    @staticmethod
+    def _ends_job(process: Process, end: str | Failure | None) -> bool:
+        """Whether this end records the job's outcome (not another attempt)."""
+        if not isinstance(end, Failure):
+            return True
+        envelope = process.envelope
+        return (
+            envelope is None or end.final or envelope.header.attempt >= envelope.header.max_attempts
+        )
+
+    def _typed(self) -> list[tuple[str, str]]:
+        """The keys that the failures' writes push to, with their types (step 1): a
+        push failing inside MULTI would lose the task."""
+        keys, queue = self.keys, self.queue
+        typed: dict[str, str] = {}
+        for process, end in self.ending:
+            if not isinstance(end, Failure):
+                continue
+            envelope = process.envelope
+            if self._ends_job(process, end):
+                typed[keys.failed(queue)] = "list"
+            elif envelope is not None and _wait_of(envelope.header, end) > 0:
+                typed[keys.delayed(queue)] = "zset"
+            elif envelope is not None:
+                typed[keys.level(queue, envelope.header.priority)] = "list"
+        return list(typed.items())
 
     def _writes(self, now: int, ended: set[str | None], waits: dict[str, list[str]]) -> list[Wire]:
         """Steps 4-10: the writes of the transaction."""
@@ -373,36 +470,115 @@ class _Batch:
         timed = [p.id for p, _ in ending if p.envelope and p.envelope.header.timeout]
         if timed:
             writes.append(("ZREM", keys.deadlines(queue), *timed))
-        records: list[str] = []
+        records: list[str] = []  # of the done channel
+        failed: list[str] = []  # of the failed list
         index: list[str | int] = []
-        for process, result in ending:
+        again: list[tuple[str, str]] = []  # (level, envelope) of attempts that follow now
+        later: list[str | int] = []  # due, envelope of attempts that follow later
+        for process, end in ending:
             if process.envelope is None:
-                records.append(done_record(process.id, worker_id, process.task, result))
+                if isinstance(end, Failure):
+                    why = escaped(end.error)
+                    failed.append(failed_record(process.task, why, worker_id, trace=end.trace))
+                else:
+                    records.append(done_record(process.id, worker_id, process.task, end))
                 continue
             header = process.envelope.header
             if header.id in ended:
                 continue  # cancelled while it ran: its outcome stays
+            if isinstance(end, Failure) and not self._ends_job(process, end):
+                writes += _next_attempt(keys, queue, process.envelope, end, now, again, later)
+                continue
+            result: str | None = None if isinstance(end, Failure) else end
+            error = escaped(end.error) if isinstance(end, Failure) else None
             job_writes, (expiry, job_id) = job_end(
-                keys, queue, header, now, result=result, waiters=waits.get(header.id)
+                keys,
+                queue,
+                header,
+                now,
+                result=result,
+                error=error,
+                waiters=waits.get(header.id),
             )
             writes += job_writes
             index += [expiry, job_id]
+            if isinstance(end, Failure):
+                failed.append(
+                    failed_record(
+                        process.task,
+                        escaped(end.error),
+                        worker_id,
+                        trace=end.trace,
+                        envelope=process.envelope,
+                    )
+                )
             records.append(
                 done_record(
                     process.id,
                     worker_id,
-                    process.task,
+                    process.envelope.payload,
                     result,
                     job_id=header.id,
+                    error=error,
                     attempts=header.attempt,
                 )
             )
+        if failed:
+            writes.append(("RPUSH", keys.failed(queue), *failed))
+        if again:
+            writes += level_pushes(keys, queue, again)
+        if later:
+            writes.append(("ZADD", keys.delayed(queue), *later))
+            earliest = min(int(due) for due in later[::2])
+            writes.append(("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest))))
         if index:
             writes.append(("ZADD", keys.jobs(queue), *index))
-        if any(p.envelope is not None for p, _ in ending):
             writes.append(trim_jobs(keys, queue, now))
         writes += [("PUBLISH", keys.done(queue), message) for message in done_messages(records)]
         return writes
+
+
+def _wait_of(header: Header, failure: Failure) -> float:
+    """Seconds before the attempt after a failed one: its ``delay``, else the backoff."""
+    return failure.delay if failure.delay is not None else backoff_delay(header)
+
+
+def _next_attempt(
+    keys: Keys,
+    queue: str,
+    envelope: Envelope,
+    failure: Failure,
+    now: int,
+    again: list[tuple[str, str]],
+    later: list[str | int],
+) -> list[Wire]:
+    """The writes to a job's record for its next attempt (as `fail` writes them); its
+    envelope goes to ``again`` (level, envelope: pushed now) or to ``later`` (due,
+    envelope: to the delayed set), which the caller writes for the whole batch."""
+    header = envelope.header
+    job = keys.job(queue, header.id)
+    following = wrap(header.next_attempt(), envelope.payload)
+    fields: list[str | int] = [
+        "env",
+        following,
+        "attempts",
+        header.attempt,
+        "error",
+        escaped(failure.error),
+    ]
+    wait = _wait_of(header, failure)
+    if wait <= 0:
+        again.append((header.priority, following))
+        return [
+            ("HSET", job, *fields, "state", JobState.QUEUED.value),
+            ("HDEL", job, "due", "progress", "note"),
+        ]
+    due = now + round(wait * 1000)
+    later += [due, following]
+    return [
+        ("HSET", job, *fields, "state", JobState.DELAYED.value, "due", due),
+        ("HDEL", job, "progress", "note"),
+    ]
 
 
 async def _waiters_of(

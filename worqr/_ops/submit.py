@@ -7,32 +7,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._errors import CorruptDataError, DuplicateTaskError, is_wrong_type, redis_boundary
 from .._layout.envelope import Envelope
 from .._layout.keys import Keys
 from .._layout.state import JobState
 from .._redis.connections import Client as Client
-from .._redis.connections import NotApplied, on_slot, pinned
+from .._redis.connections import on_slot, pinned
 from .._redis.replies import text
 from .commands import (
+    Command,
+    _atomic,
     _beside,
     _corrupt,
     _optimistic,
     _register_after,
-    _unknown_outcome,
-    _unless_wrong,
     _wait,
     reads,
 )
-from .writes import DUE_EVENT, _record_job, announce, event, live_score, new_life
+from .writes import DUE_EVENT, announce, event, live_score, new_life, record_job
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +82,9 @@ async def submit(
     registers = isinstance(r, Redis)  # one server: the registry joins the transaction
     life = new_life()
 
-    def writes(pipe: Pipeline) -> None:
-        submit_writes(pipe, keys, queue, jobs, life=life)
-        if registers:
-            pipe.execute_command("SADD", keys.queues, queue)
+    commands = submit_commands(keys, queue, jobs, life=life)
+    if registers:
+        commands.append(("SADD", keys.queues, queue))
 
     async def body(pipe: Pipeline) -> None:
         # In one round trip: the ids in the index, and the types of the keys the push
@@ -120,24 +115,15 @@ async def submit(
                 f"job {live[0]!r} is already queued, delayed, running or waiting"
             )
         pipe.multi()
-        writes(pipe)
-
-    async def transaction(node: Redis) -> list[Any]:
-        async with node.pipeline(transaction=True) as pipe:
-            writes(pipe)
-            try:
-                return _unless_wrong(await pipe.execute(raise_on_error=False))
-            except (MaxConnectionsError, NotApplied):
-                raise  # nothing sent (a refused connect is re-routed by on_slot)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                raise _unknown_outcome() from exc
+        for command in commands:
+            pipe.execute_command(*command)
 
     async def pushed(client: Client, node_once: Client) -> None:
         if check:
             watch = [keys.job(queue, job_id) for job_id in ids]
             _, replies = await _optimistic(client, watch, body)
         else:
-            replies = await on_slot(node_once, keys.tasks(queue), transaction)
+            replies = await _atomic(node_once, keys.tasks(queue), commands)
         if registers:
             replies = replies[:-1]  # a wrong-typed registry fails only its SADD: check's
         # The records come first (3 commands a job), then the pushes. A wrong-typed
@@ -179,19 +165,29 @@ def check_ids(jobs: Sequence[Submission]) -> list[str]:
 def submit_writes(
     pipe: Pipeline, keys: Keys, queue: str, jobs: Sequence[Submission], *, life: str
 ) -> None:
-    """Queue the writes of `submit` (steps 3-6): the records, the pushes of the jobs
-    due now (one priority per submit) and the delayed set's entries of the others."""
+    """Queue the writes of `submit_commands` on ``pipe``."""
+    for command in submit_commands(keys, queue, jobs, life=life):
+        pipe.execute_command(*command)
+
+
+def submit_commands(
+    keys: Keys, queue: str, jobs: Sequence[Submission], *, life: str
+) -> list[Command]:
+    """The writes of `submit` (steps 3-6): the records, the pushes of the jobs due now
+    (one priority per submit) and the delayed set's entries of the others."""
     level = jobs[0].envelope.header.priority
     ready = [job.envelope.raw for job in jobs if job.due_ms is None]
     later = [job for job in jobs if job.due_ms is not None]
+    commands: list[Command] = []
     for job in jobs:
         state = JobState.QUEUED.value if job.due_ms is None else JobState.DELAYED.value
-        _record_job(pipe, keys, queue, job.envelope, state, job.due_ms, life=life)
+        commands += record_job(keys, queue, job.envelope, state, job.due_ms, life=life)
     if ready:
-        pipe.execute_command("RPUSH", keys.level(queue, level), *ready)
-        pipe.execute_command(*announce(keys, queue, level, len(ready)))
+        commands.append(("RPUSH", keys.level(queue, level), *ready))
+        commands.append(announce(keys, queue, level, len(ready)))
     if later:
-        pairs = [part for job in later for part in (job.due_ms, job.envelope.raw)]
-        pipe.execute_command("ZADD", keys.delayed(queue), *pairs)
+        pairs = [part for job in later for part in (job.due_ms or 0, job.envelope.raw)]
+        commands.append(("ZADD", keys.delayed(queue), *pairs))
         earliest = min(job.due_ms or 0 for job in later)
-        pipe.execute_command("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest)))
+        commands.append(("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest))))
+    return commands

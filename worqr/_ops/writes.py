@@ -479,8 +479,16 @@ def _record_job(
     *,
     life: str,
 ) -> None:
-    """Queue the writes of a job's record at the start of a life (submit, retry of a
-    failed job): a fresh hash, live in the index.
+    """Queue the writes of `record_job` on ``pipe``."""
+    for command in record_job(keys, queue, env, state, due, life=life):
+        pipe.execute_command(*command)
+
+
+def record_job(
+    keys: Keys, queue: str, env: Envelope, state: str, due: int | None = None, *, life: str
+) -> list[Command]:
+    """The writes of a job's record at the start of a life (submit, retry of a failed
+    job): a fresh hash, live in the index.
 
       DEL j:<id>;  HSET j:<id> env <envelope> state <state> attempts 0 max <m>
       enqueued <e> life <life> [due <due>] [fn <function>];  ZADD jobs +inf <id>
@@ -505,6 +513,8 @@ def _record_job(
         fields += ["due", due]
     if header.function is not None:
         fields += ["fn", header.function]
-    pipe.execute_command("DEL", record)
-    pipe.execute_command("HSET", record, *fields)
-    pipe.execute_command("ZADD", keys.jobs(queue), "+inf", header.id)
+    return [
+        ("DEL", record),
+        ("HSET", record, *fields),
+        ("ZADD", keys.jobs(queue), "+inf", header.id),
+    ]

@@ -477,8 +477,6 @@ class Consumer:
             raise  # they stop the program: its tasks go back, as at any exit
         except BaseException as exc:  # an Exception, or another kind (pytest.fail's)
             outcome, detail, error = "fail", escaped(f"{type(exc).__name__}: {exc}"), exc
-        if outcome == "fail" and error is not None:
-            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         if process.id in self._ending:  # cancelled by us, even if the handler swallowed it
             _uncancel()
             outcome, detail, trace, error = self._ending.pop(process.id), None, "", None
@@ -490,6 +488,8 @@ class Consumer:
                     f" of {process.timeout:g} s"
                 )
         last = process.attempt >= process.max_attempts or outcome == _REFUSED
+        if outcome == "fail" and error is not None and last:  # kept in the failed list
+            trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         if outcome in ("fail", _TIMED_OUT, _REFUSED) or (outcome == "retry" and last):
             self._failed(process, detail or "", error, last=last)
         await self._returned(process, outcome, detail, trace=trace, delay=delay)

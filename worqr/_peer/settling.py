@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import anyio
 
 from .. import _ops
 from .._errors import BackendError, CorruptDataError
+from .._layout.keys import Keys
 from .._layout.models import Process
 from .._layout.names import ProcessRef, split_process_id
+from .._ops.end import Failure
 from .._redis.batch import GroupCommit
+from .._redis.connections import Client
 from .holdings import Holdings, Parts
 from .leases import Leases
 
-_FINISH_BATCH = 256  # processes finished in one transaction at most
+_END_BATCH = 256  # processes ended in one transaction at most
+_End = TypeVar("_End", str | None, Failure)
+
+
+_EndMany = Callable[
+    [Client, Keys, str, str, Sequence[tuple[Process, _End]], int | None], Awaitable[list[bool]]
+]
+"""`finish_many` or `fail_many`."""
 
 
 class Settler:
@@ -33,6 +44,8 @@ class Settler:
         self._leases = leases
         self.finishers: dict[str, GroupCommit[tuple[Process, str | None], bool]] = {}
         """queue -> the group commit of its finishes (made at a finish, dropped idle)."""
+        self.failers: dict[str, GroupCommit[tuple[Process, Failure], bool]] = {}
+        """queue -> the group commit of its failed attempts (as ``finishers``)."""
 
     async def finish(self, ref: ProcessRef, result: str | None) -> bool:
         """Finish a process (checked by the caller); False if it no longer exists or
@@ -82,18 +95,15 @@ class Settler:
             return
         action: Callable[[], Awaitable[object]]
         if outcome == "cancelled" and process.envelope is not None:
-            action = lambda: self.fail(  # noqa: E731
-                ref, _ops.writes.CANCELLED, final=True, known=process.stored
-            )
+            failure = Failure(_ops.writes.CANCELLED, final=True)
+            action = lambda: self._fail_batched(process, ref, failure)  # noqa: E731
         elif outcome in ("finish", "cancelled"):
             result = detail if outcome == "finish" else None
             action = lambda: self._finish_batched(process, ref, result)  # noqa: E731
-        elif outcome == "refused":  # the handler's work is done: never tried again
-            action = lambda: self.fail(ref, detail or "", final=True, known=process.stored)  # noqa: E731
-        elif outcome in ("fail", "retry", "timeout"):
-            action = lambda: self.fail(  # noqa: E731
-                ref, detail or "", trace=trace, delay=delay, known=process.stored
-            )
+        elif outcome in ("fail", "retry", "timeout", "refused"):
+            # refused: the handler's work is done, never tried again
+            failure = Failure(detail or "", trace, delay, final=outcome == "refused")
+            action = lambda: self._fail_batched(process, ref, failure)  # noqa: E731
         elif outcome == "requeue":
             action = lambda: self.stop(ref, process.job_id, look=False)  # noqa: E731
         else:  # lost, deleted, stopped, failed, shutdown, closed: Redis already moved it
@@ -175,28 +185,59 @@ class Settler:
     async def _finish_batched(self, process: Process, ref: ProcessRef, result: str | None) -> bool:
         """Finish a process this peer dequeued, together with the other processes of
         its queue that end in the same moment (one transaction per batch)."""
-        parts, queue = self._parts, process.queue
-        finisher = self.finishers.get(queue)
+        finisher = self.finishers.get(process.queue)
         if finisher is None:
-
-            async def write(done: Sequence[tuple[Process, str | None]]) -> list[bool]:
-                if self._leases.lost:
-                    return [False] * len(done)
-                now = parts.clock.estimate_ms()
-                return await _ops.end.finish_many(
-                    parts.redis, parts.keys, parts.worker_id, queue, done, now
-                )
-
-            finisher = self.finishers[queue] = GroupCommit(write, _FINISH_BATCH)
+            finisher = self.finishers[process.queue] = self._group(
+                process.queue, _ops.end.finish_many
+            )
         try:
             finished = await finisher.submit((process, result))
         finally:
-            if finisher.idle and self.finishers.get(queue) is finisher:
-                del self.finishers[queue]  # made again on the next finish: none kept idle
+            if finisher.idle and self.finishers.get(process.queue) is finisher:
+                del self.finishers[process.queue]  # made again on the next finish: none kept idle
         if not finished:
             await self._leases.fenced(ref)  # gone: see `fail`
         self.note(ref, process.task if finished else None, failed=False)
         return finished
+
+    async def _fail_batched(self, process: Process, ref: ProcessRef, failure: Failure) -> bool:
+        """End a failed attempt of a process this peer dequeued, together with the other
+        failed attempts of its queue in the same moment (one transaction per batch).
+        A key of the wrong type refuses the whole batch: each of its processes is then
+        failed alone, so that only those whose writes meet that key stay held."""
+        failer = self.failers.get(process.queue)
+        if failer is None:
+            failer = self.failers[process.queue] = self._group(process.queue, _ops.end.fail_many)
+        try:
+            ended = await failer.submit((process, failure))
+        except CorruptDataError:
+            return await self.fail(
+                ref,
+                failure.error,
+                trace=failure.trace,
+                delay=failure.delay,
+                final=failure.final,
+                known=process.stored,
+            )
+        finally:
+            if failer.idle and self.failers.get(process.queue) is failer:
+                del self.failers[process.queue]
+        if not ended:
+            await self._leases.fenced(ref)
+        self.note(ref, process.task if ended else None, failed=True)
+        return ended
+
+    def _group(self, queue: str, end: _EndMany[_End]) -> GroupCommit[tuple[Process, _End], bool]:
+        """The group commit of one queue's ends of one kind (`finish_many`, `fail_many`)."""
+        parts = self._parts
+
+        async def write(ends: Sequence[tuple[Process, _End]]) -> list[bool]:
+            if self._leases.lost:
+                return [False] * len(ends)
+            now = parts.clock.estimate_ms()
+            return await end(parts.redis, parts.keys, parts.worker_id, queue, ends, now)
+
+        return GroupCommit(write, _END_BATCH)
 
     async def fail(
         self,
