@@ -60,6 +60,8 @@ SETTLE = 0.5
 """Seconds the workers idle after they are ready, before a workload starts."""
 TARGET_MS = 10.0
 """Issue 12's target: p99 lateness of a delayed job on an idle fleet."""
+ROUND_TRIP_TARGET_MS = 0.9  # issue 33: the p50 of a result round trip
+RETRY_TARGET = 2.0  # issue 33: retries of always-failing jobs, over the best peer
 IDLE_RATE = 1000
 """The highest rate (delayed jobs a second) at which the fleet counts as idle."""
 LIVE_CONCURRENCY = 50
@@ -316,6 +318,7 @@ def run(
             python = suite.python_of(library, overrides)
             meta["versions"][library] = suite.versions(python, library)
             adapters[library] = Adapter(library, python, server.url, "bench")
+        floor = Adapter("floor", suite.python_of("worqr", overrides), server.url, "bench")
         delaying = set(libraries)
         failed: set[str] = set()
         for repetition in range(1, sizes.repetitions + 1):
@@ -332,6 +335,8 @@ def run(
                         live(adapter, redis, LIVE_RATE, n, LIVE_DELAYS, results)
                         live(adapter, redis, 0, sizes.idle, (IDLE_DELAY, IDLE_DELAY), results)
                     round_trip(adapter, redis, sizes.round_trips, results)
+                    if library == "worqr":  # the floor, beside it in the same repetition
+                        round_trip(floor, redis, sizes.round_trips, results)
                     retry(adapter, redis, sizes.retry, results)
                 except (RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
                     if library == "worqr":
@@ -468,6 +473,8 @@ def targets(results: Results, sizes: Sizes) -> list[str]:
             )
             continue
         lines.append(against_target(f"at {rate:,} delayed jobs/s", value, " on an idle fleet"))
+    lines += round_trip_target(results)
+    lines += retry_target(results)
     value = results.median("worqr", "idle_p99_ms")
     if value is not None:
         what = f"of {sizes.idle} delayed jobs submitted back to back to an idle worker"
@@ -479,6 +486,49 @@ def targets(results: Results, sizes: Sizes) -> list[str]:
             "target is for an idle fleet; this worker runs a job a millisecond."
         )
     return lines
+
+
+def round_trip_target(results: Results) -> list[str]:
+    """Issue 33's round-trip target, held against this host's floor (`floor_peer.py`)."""
+    value, floor = (
+        results.median("worqr", "roundtrip_p50_ms"),
+        results.median("floor", "roundtrip_p50_ms"),
+    )
+    if value is None:
+        return []
+    verdict = "met" if value <= ROUND_TRIP_TARGET_MS else "not met"
+    line = (
+        f"- Result round trip p50: {value:.2f} ms; target <= {ROUND_TRIP_TARGET_MS:g} ms:"
+        f" {verdict} in this run."
+    )
+    if floor is not None:
+        line += (
+            f" The floor of any Redis work queue on this host, a bare RPUSH, BLPOP and"
+            f" PUBLISH between two processes measured the same way in the same run,"
+            f" is {floor:.2f} ms p50; worqr's round trip is {value / floor:.2f}x that floor"
+            f"{' (the target lies below it)' if floor > ROUND_TRIP_TARGET_MS else ''}."
+        )
+    return [line]
+
+
+def retry_target(results: Results) -> list[str]:
+    """Issue 33's retry target: at least `RETRY_TARGET`x the best peer."""
+    value = results.median("worqr", "retry_jobs_per_s")
+    peers = [
+        (lib, found)
+        for lib in results.samples
+        if lib not in ("worqr", "floor")
+        and (found := results.median(lib, "retry_jobs_per_s")) is not None
+    ]
+    if value is None or not peers:
+        return []
+    lib, best = max(peers, key=lambda pair: pair[1])
+    ratio = value / best
+    verdict = "met" if ratio >= RETRY_TARGET else "not met"
+    return [
+        f"- Retry of always-failing jobs: {value:,.0f} jobs/s, {ratio:.2f}x the best peer"
+        f" ({lib}, {best:,.0f}); target at least {RETRY_TARGET:g}x: {verdict} in this run."
+    ]
 
 
 def write(out: Path, results: Results, meta: dict[str, Any], libraries: list[str]) -> None:

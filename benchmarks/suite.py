@@ -59,7 +59,9 @@ AT_LEAST_ONCE = {"worqr", "arq", "taskiq", "bullmq"}
 (arq after its job timeout, taskiq once a message stays unacknowledged 10 minutes,
 BullMQ after its stalled check). SAQ marks such a job aborted, RQ abandoned; neither
 runs it again unless it was enqueued with retries."""
-ASYNC = {"worqr", "arq", "saq", "taskiq", "bullmq"}
+ASYNC = {"worqr", "arq", "saq", "taskiq", "bullmq", "floor"}
+"""Adapters run under uvloop (``floor`` is benchmarks/peers/floor_peer.py, a bare Redis
+round trip in worqr's environment)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ CALLERS = 50
 enqueue workload."""
 CLI_CONCURRENCIES = (50, 64)
 """The concurrencies of the drain by each library's own worker command."""
+CALL_CONCURRENCY = 64
+"""The concurrency of the function-call drain (`CLI_CALL_WORKERS`)."""
 CLI_WORKERS: dict[str, Callable[[str, str, str, int], list[str]] | None] = {
     "worqr": lambda python, url, queue, c: [
         *(python, "-m", "worqr", "worker", "--url", url, "-q"),
@@ -111,6 +115,26 @@ benchmarks/peers/cli/ (one process, a no-op task, no line logged per task: worqr
 SAQ's default, which logs errors only). BullMQ's Python package has no worker
 command: its users start a ``Worker`` in a script of their own, which the adapter's
 ``drain`` is. RQ runs one task at a time per process, so it has no figure here."""
+CLI_CALL_WORKERS: dict[str, Callable[[str, str, str, int], list[str]]] = {
+    "worqr": lambda python, url, queue, c: [
+        *(python, "-m", "worqr", "worker", "--url", url, "-q"),
+        *("--concurrency", str(c), "worqr_calls:tasks"),
+    ],
+    "arq": lambda python, url, queue, c: [
+        *(python, "-m", "arq", "arq_calls.WorkerSettings"),
+        *("--custom-log-dict", "arq_calls.LOGGING"),
+    ],
+    "saq": lambda python, url, queue, c: [python, "-m", "saq", "saq_calls.settings"],
+    "taskiq": lambda python, url, queue, c: [
+        *(python, "-m", "taskiq", "worker", "taskiq_calls:broker", "--workers", "1"),
+        *("--max-async-tasks", str(c), "--log-level", "WARNING"),
+    ],
+}
+"""The function-call drain: the same worker commands on the modules of
+benchmarks/peers/cli/*_calls.py, each a task function ``double(n: int) -> int`` whose
+result the library keeps (taskiq with taskiq-redis's result backend, as it keeps none
+without one); the queue filled by `CALLERS` coroutines calling it with the library's
+own call (the adapters' ``enqueue --calls``)."""
 COMMAND_CONCURRENCIES = (1, 16)
 """worqr's drain is also counted at these concurrencies (commands per task depend on
 how many tasks one transaction takes and ends)."""
@@ -330,18 +354,23 @@ def drain_cli(
     results: Results,
     *,
     jobs: bool = False,
+    calls: bool = False,
 ) -> None:
     """A 1-process drain by the library's worker as its users start it (`CLI_WORKERS`),
     timed from the first task's start to the last one's end as the task module saw
-    them (benchmarks/peers/cli/tally.py); with ``jobs``, of worqr's job envelopes."""
+    them (benchmarks/peers/cli/tally.py); with ``jobs``, of worqr's job envelopes; with
+    ``calls``, of calls of a task function (`CLI_CALL_WORKERS`)."""
     library = adapter.library
-    figure = f"drain_{'jobs_' if jobs else ''}cli_{concurrency}"
+    kind = "jobs_" if jobs else "calls_" if calls else ""
+    figure = f"drain_{kind}cli_{concurrency}"
     redis.flushall()
     if jobs:
         adapter.run("enqueue", "--n", str(n), "--batch", "--jobs")
+    elif calls:
+        adapter.run("enqueue", "--n", str(n), "--calls", "--callers", str(CALLERS))
     else:
         fill(adapter, n)
-    command = CLI_WORKERS[library]
+    command = CLI_CALL_WORKERS[library] if calls else CLI_WORKERS[library]
     if command is None:  # no worker command: the adapter's script is how it is run
         out = adapter.run("drain", "--expect", str(n), "--concurrency", str(concurrency))
         results.add(library, figure, out["count"] / (out["last_end"] - out["started"]))
@@ -544,6 +573,8 @@ def run(libraries: list[str], sizes: Sizes, overrides: dict[str, str]) -> tuple[
                             drain_cli(adapter, redis, n, concurrency, results)
                             if library == "worqr":
                                 drain_cli(adapter, redis, n, concurrency, results, jobs=True)
+                    if library in CLI_CALL_WORKERS:
+                        drain_cli(adapter, redis, n, CALL_CONCURRENCY, results, calls=True)
                     enqueue(adapter, redis, sizes, results)
                     latency(adapter, redis, sizes.latency, sizes.latency_workers, results)
                     if library in recovering and not recovery(
@@ -576,6 +607,12 @@ FIGURES = [
             True,
         )
         for c in CLI_CONCURRENCIES
+    ),
+    (
+        f"drain_calls_cli_{CALL_CONCURRENCY}",
+        "Drain of task-function calls with results kept, worker command,"
+        f" concurrency {CALL_CONCURRENCY} (calls/s)",
+        True,
     ),
     ("enqueue_single", "Enqueue, one at a time (tasks/s)", True),
     ("enqueue_over_ping", "Enqueue one at a time over a bare PING (time ratio)", False),
@@ -703,6 +740,15 @@ def targets(results: Results, libraries: list[str]) -> list[str]:
                 f"{jobs / mine:.2f}x plain tasks; target at least 0.90x: "
                 f"{_verdict(jobs / mine, 0.9, 'x', why=JOBS_WHY)}."
             )
+    key = f"drain_calls_cli_{CALL_CONCURRENCY}"
+    mine, rival = ours(key), best(key, [p for p in peers if p in CLI_CALL_WORKERS], True)
+    if mine and rival:
+        lines.append(
+            f"- Drain of task-function calls (an int argument, an int result kept) by the"
+            f" worker command, concurrency {CALL_CONCURRENCY}: {mine:,.0f} calls/s,"
+            f" {mine / rival[1]:.1f}x the fastest peer ({rival[0]}); target 5x:"
+            f" {_verdict(mine / rival[1], 5.0, 'x', why=CALLS_WHY)}."
+        )
     two = ours("drain_2")
     if drain and two:
         lines.append(f"- Drain, 2 processes: {two / drain:.2f}x one process.")
@@ -773,6 +819,8 @@ JOBS_WHY = (
     "quarters of the rate of plain tasks'"
 )
 """Why job envelopes drain slower than plain tasks (measured in performance.md)."""
+CALLS_WHY = "a call is a job envelope, whose drain is bound by the worker's CPU as said above"
+"""Why function calls may drain below the target (they are job envelopes)."""
 
 
 def _verdict(

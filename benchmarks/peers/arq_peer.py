@@ -108,7 +108,10 @@ async def enqueue() -> None:
     redis = await connect()
 
     async def call(i: int) -> None:
-        await redis.enqueue_job(TASK, payload(i, ARGS.payload_bytes))
+        if ARGS.calls:
+            await redis.enqueue_job("double", i)
+        else:
+            await redis.enqueue_job(TASK, payload(i, ARGS.payload_bytes))
 
     emit({"seconds": await calls(ARGS.n, ARGS.callers, call)})
     await redis.aclose()

@@ -4,12 +4,14 @@ An adapter is one script per library, run with the Python of that library's own
 virtual environment (their pins conflict), so this module uses only the standard
 library. The suite drives every adapter through the same five modes:
 
-``enqueue --n N [--batch] [--payload-bytes B] [--callers K]``
+``enqueue --n N [--batch] [--payload-bytes B] [--callers K] [--calls]``
     Enqueue N no-op tasks, one awaited call each, or with the library's batch call;
     task i's payload is ``str(i)``, or with B > 0 a JSON text of B characters
     (`payload`). With K > 1, K coroutines at once each make their share of the calls,
     one awaited call at a time (`calls`), on one client. Prints ``{"seconds": s}`` or
-    ``{"unsupported": "why"}``.
+    ``{"unsupported": "why"}``. With ``--calls``, each is instead a call of the task
+    function ``double`` with the int argument i, by the library's own way of calling a
+    task (the functions of benchmarks/peers/cli/*_calls.py, run by its worker command).
 ``drain --concurrency C [--expect N]``
     Run the library's normal worker over a queue filled beforehand, with a no-op
     handler, until N handlers have run (or, without ``--expect``, until idle for
@@ -163,6 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--callers", type=int, default=1)
     parser.add_argument("--jobs", action="store_true", help="(worqr) enqueue job envelopes")
+    parser.add_argument(
+        "--calls", action="store_true", help="enqueue calls of the function double(n: int)"
+    )
     args = parser.parse_args(argv)
     global _buffered
     _buffered = args.buffered

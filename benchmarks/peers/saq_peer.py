@@ -116,7 +116,10 @@ async def enqueue() -> None:
     queue = await connect()
 
     async def call(i: int) -> None:
-        await queue.enqueue(TASK, payload=payload(i, ARGS.payload_bytes))
+        if ARGS.calls:
+            await queue.enqueue("double", n=i)
+        else:
+            await queue.enqueue(TASK, payload=payload(i, ARGS.payload_bytes))
 
     emit({"seconds": await calls(ARGS.n, ARGS.callers, call)})
     await queue.disconnect()

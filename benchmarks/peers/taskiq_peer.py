@@ -77,9 +77,13 @@ async def enqueue() -> None:
         emit({"unsupported": "taskiq has no batch enqueue; every kiq() is its own XADD"})
         return
     async with producing() as task:
+        double = BROKER.register_task(noop_double, "double")
 
         async def call(i: int) -> None:
-            await task.kiq(payload(i, ARGS.payload_bytes))
+            if ARGS.calls:
+                await double.kiq(i)
+            else:
+                await task.kiq(payload(i, ARGS.payload_bytes))
 
         emit({"seconds": await calls(ARGS.n, ARGS.callers, call)})
 
@@ -161,6 +165,11 @@ async def retry() -> None:
 
 async def noop(payload: str) -> None:
     """What producers register under the task's name; they never run it."""
+
+
+async def noop_double(n: int) -> int:
+    """What the producer registers as ``double`` to kick it (cli/taskiq_calls.py runs it)."""
+    return 2 * n
 
 
 @contextlib.asynccontextmanager

@@ -54,7 +54,7 @@ from common import (
 )
 from redis.asyncio import Redis
 
-from worqr import Process, Worqr
+from worqr import Process, Tasks, Worqr
 
 ARGS = parse_args()
 Handler = Callable[[Process], Awaitable[str | None]]
@@ -71,9 +71,21 @@ def jobs_client() -> Worqr:
     return Worqr.from_url(ARGS.url)
 
 
+CALLS = Tasks()
+
+
+@CALLS.task(queue=ARGS.queue, name="double")
+async def double(n: int) -> int:
+    """The function the function-call drain calls (cli/worqr_calls.py runs it)."""
+    return 2 * n
+
+
 async def enqueue() -> None:
     async with Worqr(Redis.from_url(ARGS.url)) as worqr:
         begun = time.perf_counter()
+        if ARGS.calls:
+            emit({"seconds": await calls(ARGS.n, ARGS.callers, lambda i: double.submit(worqr, i))})
+            return
         if ARGS.batch:
             for first in range(0, ARGS.n, BATCH):
                 last = min(ARGS.n, first + BATCH)

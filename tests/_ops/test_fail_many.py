@@ -8,25 +8,31 @@ import time
 
 import anyio
 import pytest
+from redis.asyncio import Redis
 
 from worqr import CorruptDataError, Process, Worqr, _ops
-from worqr._layout.envelope import unwrap
+from worqr._layout.envelope import Header, unwrap
 from worqr._layout.keys import Keys
 from worqr._layout.names import parse_process_id
 from worqr._ops.end import Failure
-from worqr._redis.connections import Client
 
-from ..helpers import Factory, consuming, eventually, raw_keys
+from ..helpers import Factory, consuming, eventually, raw_keys, scored
 
 
-async def _taken(client: Client, keys: Keys, count: int) -> list[Process]:
+def _header(stored: str) -> Header:
+    envelope = unwrap(stored)
+    assert envelope is not None
+    return envelope.header
+
+
+async def _taken(client: Redis, keys: Keys, count: int) -> list[Process]:
     taken = await _ops.dequeue.dequeue(client, client, keys, "w1", "jobs", count)
     assert len(taken) == count
     return taken
 
 
 async def test_fail_many_writes_each_failure_as_fail_does(
-    make: Factory, client: Client, prefix: str
+    make: Factory, client: Redis, prefix: str
 ) -> None:
     producer = make()
     keys = Keys(prefix)
@@ -56,11 +62,9 @@ async def test_fail_many_writes_each_failure_as_fail_does(
                 heard.append(message["data"])
     state = await raw_keys(client, prefix)
     (following,) = state[keys.tasks("jobs")]
-    assert unwrap(following).header.attempt == 2
-    assert unwrap(following).header.id == again.id
-    ((delayed, due),) = await client.zrange(keys.delayed("jobs"), 0, -1, withscores=True)
-    assert unwrap(delayed).header.id == later.id
-    assert int(due) == now + 5000
+    assert (_header(following).id, _header(following).attempt) == (again.id, 2)
+    (delayed,) = scored(await client.zrange(keys.delayed("jobs"), 0, -1, withscores=True))
+    assert (_header(delayed[0]).id, int(delayed[1])) == (later.id, now + 5000)
     failed = [json.loads(record) for record in state[keys.failed("jobs")]]
     assert [(f.get("job_id"), f["task"], f["error"], f["traceback"]) for f in failed] == [
         (last.id, "last", "E3", "T3"),
@@ -80,7 +84,7 @@ async def test_fail_many_writes_each_failure_as_fail_does(
     assert not [k for k in state if ":p:" in k or ":held:" in k or k.endswith(":unique")]
 
 
-async def test_fail_many_is_fenced_per_process(make: Factory, client: Client, prefix: str) -> None:
+async def test_fail_many_is_fenced_per_process(make: Factory, client: Redis, prefix: str) -> None:
     keys = Keys(prefix)
     await make().enqueue("jobs", ["a", "b", "c"])
     a, b, c = await _taken(client, keys, 3)
@@ -94,7 +98,7 @@ async def test_fail_many_is_fenced_per_process(make: Factory, client: Client, pr
 
 
 async def test_fail_many_keeps_the_outcome_of_a_job_cancelled_meanwhile(
-    make: Factory, client: Client, prefix: str
+    make: Factory, client: Redis, prefix: str
 ) -> None:
     keys = Keys(prefix)
     producer = make()
@@ -110,7 +114,7 @@ async def test_fail_many_keeps_the_outcome_of_a_job_cancelled_meanwhile(
 
 
 async def test_fail_many_refuses_a_wrong_typed_key_and_writes_nothing(
-    make: Factory, client: Client, prefix: str
+    make: Factory, client: Redis, prefix: str
 ) -> None:
     keys = Keys(prefix)
     await make().submit("jobs", "x", max_attempts=3, backoff=5)
@@ -122,7 +126,7 @@ async def test_fail_many_refuses_a_wrong_typed_key_and_writes_nothing(
 
 
 async def test_a_wrong_typed_key_holds_only_the_failures_that_write_it(
-    make: Factory, client: Client
+    make: Factory, client: Redis
 ) -> None:
     """The batch is refused whole; each of its failures is then ended alone: the plain
     task reaches the failed list, the job whose retry needs the broken key stays held."""

@@ -40,6 +40,7 @@ from worqr import (
     Retry,
     Worqr,
 )
+from worqr._layout.keys import Keys
 from worqr._redis.clock import ServerClock
 from worqr._redis.connections import Client
 
@@ -1489,3 +1490,96 @@ async def test_jobs_with_retries_and_delays_through_a_slow_link(
     assert await producer.get_tasks(Q) == [] and await producer.get_delayed(Q) == []
     assert not [key for key in await raw_keys(real_client, prefix) if ":p:" in key]
     assert (await producer.check()).ok
+
+
+async def test_a_notice_naming_the_life_read_is_the_answer_without_a_second_read(
+    real_make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's batched end names the life it ended: the waiter that read that life
+    takes the outcome from the notice (one read of the record, not two)."""
+    worker, producer = real_make(), real_make()
+    reads: list[str] = []
+    read = worqr._ops.inspect.job_record
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[3])
+        return await read(*args, **kwargs)
+
+    monkeypatch.setattr(worqr._ops.inspect, "job_record", counted)
+    release = anyio.Event()
+
+    async def handler(process: Process) -> str:
+        await release.wait()
+        if process.task == "bad":
+            raise KeyError("missing")
+        return process.task * 2
+
+    good = await producer.submit(Q, "good")
+    bad = await producer.submit(Q, "bad")
+    async with consuming(worker, handler, concurrency=2), anyio.create_task_group() as tg:
+        outcome: dict[str, Any] = {}
+
+        async def wait(job: Job) -> None:
+            try:
+                outcome[job.id] = await job.result(timeout=10)
+            except JobFailedError as exc:
+                outcome[job.id] = exc
+
+        tg.start_soon(wait, good)
+        tg.start_soon(wait, bad)
+        await eventually(lambda: len(reads) == 2)  # each waiter read its job, running
+        release.set()
+    assert outcome[good.id] == "goodgood"
+    failed = outcome[bad.id]
+    assert isinstance(failed, JobFailedError)
+    assert (failed.error, failed.attempts) == ("KeyError: 'missing'", 1)
+    assert sorted(reads) == sorted([good.id, bad.id])  # no second read
+
+
+async def test_a_notice_of_an_earlier_life_never_answers_for_the_new_one(
+    real_make: Factory, real_client: Redis, prefix: str
+) -> None:
+    """The id was submitted anew after its first life ended: a done notice of the first
+    life, heard after the waiter read the second, names another life, so the waiter
+    reads again and waits on."""
+    producer = real_make()
+    first = await producer.submit(Q, "one", job_id="same")
+    assert await first.cancel()
+    second = await producer.submit(Q, "two", job_id="same")
+    keys = Keys(prefix)
+    old = json.dumps(
+        {
+            "process_id": None,
+            "worker_id": "",
+            "task": "one",
+            "result": "from the first life",
+            "job_id": "same",
+            "status": "done",
+            "attempts": 1,
+            "life": "0000000000000000",
+        }
+    )
+    async with anyio.create_task_group() as tg:
+        outcome: list[str | None] = []
+
+        async def wait() -> None:
+            outcome.append(await second.result(timeout=10))
+
+        tg.start_soon(wait)
+        await eventually(lambda: _subscribed(real_client, keys.done(Q)))
+        await anyio.sleep(0.2)  # the waiter has read the second life by now
+        await real_client.publish(keys.done(Q), f"done:[{old}]")
+        await anyio.sleep(0.3)
+        assert outcome == []  # not answered by the first life's notice
+        worker = real_make()
+        async with consuming(worker, _echo):
+            await eventually(lambda: outcome == ["two!"])
+
+
+async def _subscribed(redis: Redis, channel: str) -> bool:
+    ((_, count),) = await redis.pubsub_numsub(channel)
+    return bool(count)
+
+
+async def _echo(process: Process) -> str:
+    return process.task + "!"

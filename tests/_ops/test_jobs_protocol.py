@@ -433,6 +433,9 @@ async def test_done_notices_carry_the_job(
     for record in records.values():
         assert record.pop("worker_id") == worker.worker_id
         assert record.pop("process_id").startswith(worker.worker_id)
+    for job, task in ((good, "good"), (bad, "bad")):  # the life that ended, as its record has it
+        life = await real_client.hget(key(prefix, f"j:{job.id}"), "life")
+        assert life and records[task].pop("life") == life
     assert records == {
         "good": {
             "task": "good",

@@ -40,6 +40,7 @@ from .commands import (
 from .writes import (
     DUE_EVENT,
     LOOK,
+    LOOK_LIFE,
     _end_job,
     _says_ended,
     _trim_jobs,
@@ -53,6 +54,7 @@ from .writes import (
     failed_record,
     job_end,
     level_pushes,
+    life_of,
     local_ms,
     stored,
     trim_jobs,
@@ -391,7 +393,7 @@ class _Batch:
         typed = self._typed()
         looks: list[Wire] = [
             ("EXISTS", *self.procs),
-            *(("HMGET", rec, *LOOK) for rec in records),
+            *(("HMGET", rec, *LOOK_LIFE) for rec in records),
             *(("TYPE", key) for key, _ in typed),
         ]
         async with watching(node) as session:
@@ -405,7 +407,9 @@ class _Batch:
                         raise _corrupt(key, text(found))
                 ended: set[str | None] = set()
                 waited_ids: list[str] = []
+                lives: dict[str | None, str | None] = {}
                 for (p, end), look in zip(self._jobs(), states, strict=True):
+                    lives[p.job_id] = life_of(look)
                     if _says_ended(look, p.stored):
                         ended.add(p.job_id)
                     elif p.job_id is not None and waited(look) and self._ends_job(p, end):
@@ -414,7 +418,7 @@ class _Batch:
                     waited_ids = [job_id for job_id in waited_ids if job_id not in ended]
                 waits = await _waiters_of(session, keys, queue, waited_ids)
                 try:
-                    replies = await session.commit(self._writes(now, ended, waits))
+                    replies = await session.commit(self._writes(now, ended, waits, lives))
                 except MaxConnectionsError:
                     raise
                 except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -454,8 +458,15 @@ class _Batch:
                 typed[keys.level(queue, envelope.header.priority)] = "list"
         return list(typed.items())
 
-    def _writes(self, now: int, ended: set[str | None], waits: dict[str, list[str]]) -> list[Wire]:
-        """Steps 4-10: the writes of the transaction."""
+    def _writes(
+        self,
+        now: int,
+        ended: set[str | None],
+        waits: dict[str, list[str]],
+        lives: dict[str | None, str | None],
+    ) -> list[Wire]:
+        """Steps 4-10: the writes of the transaction; ``lives`` are the life tokens read
+        in step 1, per job, for the ``done`` records."""
         keys, queue, worker_id = self.keys, self.queue, self.worker_id
         ending = self.ending
         writes: list[Wire] = [
@@ -521,6 +532,7 @@ class _Batch:
                     job_id=header.id,
                     error=error,
                     attempts=header.attempt,
+                    life=lives.get(header.id),
                 )
             )
         if failed:

@@ -64,11 +64,14 @@ def done_record(
     job_id: str | None = None,
     error: str | None = None,
     attempts: int | None = None,
+    life: str | None = None,
 ) -> str:
     """One finished process, as JSON; a ``done`` message is a JSON array of these. A
     task or result longer than `DONE_FIELD_LIMIT` is cut there, with ``"truncated":
     true``. A job's record also has ``job_id`` (``task`` is its payload) and, when
-    it ended failed, ``"status": "failed"`` and its ``error``."""
+    it ended failed, ``"status": "failed"`` and its ``error``; and, when the end read
+    it, ``life``, the token of the life that ended (the record's ``life`` field): a
+    waiter that read that life need not read the outcome again."""
     cut = len(task) > DONE_FIELD_LIMIT or (result is not None and len(result) > DONE_FIELD_LIMIT)
     # As json.dumps would write the dict of these fields, at a third of its cost (one
     # record per finished task): strings through its own C quoting.
@@ -84,6 +87,8 @@ def done_record(
             record += f', "attempts": {int(attempts)}'
         if error is not None:
             record += f', "error": {_quote(error[:DONE_FIELD_LIMIT])}'
+        if life is not None:
+            record += f', "life": {_quote(life)}'
     return record + (', "truncated": true}' if cut else "}")
 
 
@@ -286,6 +291,18 @@ LOOK = ("state", "env", "waited")
 
 """The fields of a job's record an end reads under WATCH: has its life ended (see
 `_says_ended`), and does another job wait for it (`waited`)."""
+
+
+LOOK_LIFE = (*LOOK, "life")
+"""`LOOK` and which life it is, for a batched end: its ``done`` record names that life
+(see `done_record`)."""
+
+
+def life_of(reply: Any) -> str | None:
+    """The life token in a `LOOK_LIFE` reply (None: none, or not a readable reply)."""
+    if is_wrong_type(reply) or not isinstance(reply, list) or len(reply) < 4 or reply[3] is None:
+        return None
+    return text(reply[3])
 
 
 def _trim_jobs(pipe: Pipeline, keys: Keys, queue: str, now_ms: int) -> None:

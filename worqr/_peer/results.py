@@ -2,7 +2,10 @@
 
 A waiter is registered before the subscription to the queue's ``done`` channel is
 confirmed, and the job's record is read after that: a job that ended before the
-call is found by the read, one that ends later by its ``done`` notice. A waiter never
+call is found by the read, one that ends later by its ``done`` notice. A notice that
+names the life the read found (``life``) and carries the whole outcome is the
+answer; any other (an earlier life of the id, one cut short, one from an end that
+does not name its life) makes the waiter read the record again. A waiter never
 polls; after the subscriber reconnects (notices may have been missed), and when the
 queue is deleted, every waiter reads the record again. A queue's ``done`` channel stays
 subscribed a moment after its last waiter left, so that waiting on jobs one after
@@ -12,6 +15,7 @@ another does not subscribe anew each time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -53,6 +57,9 @@ class Results:
                 heard = await notice
                 if heard is None:
                     continue  # a reconnect or a deletion: read again
+                told = _told(info, found, heard)
+                if told is not None:  # the whole outcome of the life read above
+                    return told
                 found = await record()
                 info = (
                     from_notice(queue, job_id, heard)
@@ -171,6 +178,28 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
         function=fields.get("fn"),
         progress=fraction_of(fields.get("progress")),
         progress_note=fields.get("note"),
+    )
+
+
+def _told(info: JobInfo, found: JobRecord, heard: dict[str, Any]) -> JobInfo | None:
+    """The outcome a ``done`` notice gives whole (not cut) for the life of the job that
+    ``found`` holds (the notice names that life: ``life``), as ``info`` updated; None
+    when the record must be read again (another life, or a notice without one)."""
+    life = heard.get("life")
+    if life is None or life != found.fields.get("life") or heard.get("truncated"):
+        return None
+    result, error, attempts = heard.get("result"), heard.get("error"), heard.get("attempts")
+    failed = heard.get("status") == "failed"
+    if not isinstance(attempts, int) or isinstance(attempts, bool):
+        return None
+    if not (isinstance(error, str) if failed else result is None or isinstance(result, str)):
+        return None
+    return dataclasses.replace(
+        info,
+        status=JobStatus.FAILED if failed else JobStatus.DONE,
+        attempts=attempts,
+        result=None if failed else result,
+        error=error if failed else None,
     )
 
 
