@@ -504,7 +504,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
     assert taken is not None
     stalled = anyio.Event()
     real: Callable[..., Awaitable[object]] = (
-        _ops.end.finish_many if how == "finish" else _ops.end.fail
+        _ops.end.finish_many if how == "finish" else _ops.end.fail_many
     )
 
     async def late(*args: object, **kwargs: object) -> object:
@@ -517,7 +517,7 @@ async def test_an_end_that_finds_its_process_reclaimed_reports_it_lost(
         stalled.set()
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(_ops.end, "finish_many" if how == "finish" else "fail", late)
+    monkeypatch.setattr(_ops.end, f"{how}_many", late)
     if how == "finish":
         await runtime(worker).settle(taken, "finish", "ok")
     else:

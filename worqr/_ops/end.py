@@ -405,18 +405,18 @@ class _Batch:
                 for (key, kind), found in zip(typed, types, strict=True):
                     if text(found) not in (kind, "none"):
                         raise _corrupt(key, text(found))
-                ended: set[str | None] = set()
+                # Per process, not per job id: a copy of an ended life (cancelled while
+                # it ran, the id submitted anew since) may end beside the live copy.
+                ended: set[str] = set()
                 waited_ids: list[str] = []
                 lives: dict[str | None, str | None] = {}
                 for (p, end), look in zip(self._jobs(), states, strict=True):
                     lives[p.job_id] = life_of(look)
                     if _says_ended(look, p.stored):
-                        ended.add(p.job_id)
+                        ended.add(p.id)
                     elif p.job_id is not None and waited(look) and self._ends_job(p, end):
                         waited_ids.append(p.job_id)
-                if ended and waited_ids:  # two copies of one job, one read as ended
-                    waited_ids = [job_id for job_id in waited_ids if job_id not in ended]
-                waits = await _waiters_of(session, keys, queue, waited_ids)
+                waits = await _waiters_of(session, keys, queue, list(dict.fromkeys(waited_ids)))
                 try:
                     replies = await session.commit(self._writes(now, ended, waits, lives))
                 except MaxConnectionsError:
@@ -461,12 +461,13 @@ class _Batch:
     def _writes(
         self,
         now: int,
-        ended: set[str | None],
+        ended: set[str],
         waits: dict[str, list[str]],
         lives: dict[str | None, str | None],
     ) -> list[Wire]:
-        """Steps 4-10: the writes of the transaction; ``lives`` are the life tokens read
-        in step 1, per job, for the ``done`` records."""
+        """Steps 4-10: the writes of the transaction; ``ended`` are the processes of
+        lives that ended meanwhile, ``lives`` the life tokens read in step 1, per job,
+        for the ``done`` records."""
         keys, queue, worker_id = self.keys, self.queue, self.worker_id
         ending = self.ending
         writes: list[Wire] = [
@@ -495,8 +496,8 @@ class _Batch:
                     records.append(done_record(process.id, worker_id, process.task, end))
                 continue
             header = process.envelope.header
-            if header.id in ended:
-                continue  # cancelled while it ran: its outcome stays
+            if process.id in ended:
+                continue  # its life ended while it ran (cancelled): the outcome stays
             if isinstance(end, Failure) and not self._ends_job(process, end):
                 writes += _next_attempt(keys, queue, process.envelope, end, now, again, later)
                 continue

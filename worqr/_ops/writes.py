@@ -68,11 +68,15 @@ def done_record(
 ) -> str:
     """One finished process, as JSON; a ``done`` message is a JSON array of these. A
     task or result longer than `DONE_FIELD_LIMIT` is cut there, with ``"truncated":
-    true``. A job's record also has ``job_id`` (``task`` is its payload) and, when
+    true`` (an error too). A job's record also has ``job_id`` (``task`` is its payload) and, when
     it ended failed, ``"status": "failed"`` and its ``error``; and, when the end read
     it, ``life``, the token of the life that ended (the record's ``life`` field): a
     waiter that read that life need not read the outcome again."""
-    cut = len(task) > DONE_FIELD_LIMIT or (result is not None and len(result) > DONE_FIELD_LIMIT)
+    cut = (
+        len(task) > DONE_FIELD_LIMIT
+        or (result is not None and len(result) > DONE_FIELD_LIMIT)
+        or (error is not None and len(error) > DONE_FIELD_LIMIT)
+    )
     # As json.dumps would write the dict of these fields, at a third of its cost (one
     # record per finished task): strings through its own C quoting.
     record = (

@@ -184,7 +184,9 @@ def job_info(queue: str, job_id: str, found: JobRecord) -> JobInfo:
 def _told(info: JobInfo, found: JobRecord, heard: dict[str, Any]) -> JobInfo | None:
     """The outcome a ``done`` notice gives whole (not cut) for the life of the job that
     ``found`` holds (the notice names that life: ``life``), as ``info`` updated; None
-    when the record must be read again (another life, or a notice without one)."""
+    when the record must be read again (another life, or a notice without one). Only
+    what `Job.result` reads comes from the notice (status, result, error, attempts);
+    the other fields are those of the read before the end."""
     life = heard.get("life")
     if life is None or life != found.fields.get("life") or heard.get("truncated"):
         return None
