@@ -377,7 +377,9 @@ SETTINGS = """\
   first ones come due while the last are still being submitted.
 - Round trip: {round_trips} jobs one after the other (10 ms apart), from before the
   submit call to the result in hand, against one idle worker whose handler returns
-  the payload.
+  the payload. The floor beside it (benchmarks/peers/floor_peer.py): the same, with
+  no library, a bare `RPUSH`, a worker process's `BLPOP` and `PUBLISH` of the item,
+  heard on the producer's subscription, on redis-py with hiredis under uvloop.
 - Retry: {retry:,} jobs queued beforehand, {attempts} attempts each, no delay between
   attempts, a handler that raises; from the worker's start until the last job is in
   the library's failed state (its failed list where it has one, else the hook that

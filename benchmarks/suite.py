@@ -684,6 +684,15 @@ SETTINGS = """\
   worker command, its `Worker` in the adapter's script), timed from the first task's
   start to the last one's end (benchmarks/peers/cli/). Job envelopes: worqr's, from
   `submit_many` with every option at its default, drained the same way.
+- Drain of task-function calls: {drain:,} calls of a task function `double(n: int) ->
+  int`, each made with the library's own call by {callers} coroutines at once
+  beforehand (worqr `double.submit(worqr, i)` of a `Tasks` registry, arq
+  `enqueue_job("double", i)`, SAQ `enqueue("double", n=i)`, taskiq `double.kiq(i)`),
+  drained as above by the worker command at concurrency 64 on a module of
+  benchmarks/peers/cli/*_calls.py (worqr `worqr worker worqr_calls:tasks`); each
+  library keeps every result as it does by default (worqr's job record for a day,
+  arq's `keep_result` of an hour, SAQ's job for 10 minutes), taskiq with
+  taskiq-redis's `RedisAsyncResultBackend`, since it keeps none without a backend.
 - Enqueue: {enqueue:,} tasks one awaited call at a time; batched: {batch:,} tasks in
   calls of 1,000 (libraries without a batch call show n/a); concurrent: {enqueue:,}
   tasks by {callers} coroutines at once on one client, each one awaited call at a
