@@ -44,7 +44,6 @@ from .writes import (
     _end_job,
     _says_ended,
     _trim_jobs,
-    announce,
     death_field,
     digest,
     done_messages,
@@ -538,12 +537,7 @@ class _Batch:
             )
         if failed:
             writes.append(("RPUSH", keys.failed(queue), *failed))
-        if again:
-            writes += level_pushes(keys, queue, again)
-        if later:
-            writes.append(("ZADD", keys.delayed(queue), *later))
-            earliest = min(int(due) for due in later[::2])
-            writes.append(("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest))))
+        writes += _attempt_pushes(keys, queue, again, later)
         if index:
             writes.append(("ZADD", keys.jobs(queue), *index))
             writes.append(trim_jobs(keys, queue, now))
@@ -592,6 +586,20 @@ def _next_attempt(
         ("HSET", job, *fields, "state", JobState.DELAYED.value, "due", due),
         ("HDEL", job, "progress", "note"),
     ]
+
+
+def _attempt_pushes(
+    keys: Keys, queue: str, again: list[tuple[str, str]], later: list[str | int]
+) -> list[Wire]:
+    """The pushes of the next attempts that `_next_attempt` collected: ``again`` to the
+    back of their levels with a ``work`` event, ``later`` to the delayed set with a
+    ``delayed`` event of the earliest due time."""
+    writes: list[Wire] = level_pushes(keys, queue, again) if again else []
+    if later:
+        writes.append(("ZADD", keys.delayed(queue), *later))
+        earliest = min(int(due) for due in later[::2])
+        writes.append(("PUBLISH", keys.events(queue), event(DUE_EVENT, str(earliest))))
+    return writes
 
 
 async def _waiters_of(
@@ -670,7 +678,6 @@ async def fail(
 
             return Ending(((keys.failed(queue), "list"),), to_failed_list)
         header = envelope.header
-        job = keys.job(queue, header.id)
         if ended:  # cancelled meanwhile
             return Ending((), lambda pipe: None)
         if final or header.attempt >= header.max_attempts:
@@ -693,28 +700,18 @@ async def fail(
 
             needs = waited_keys(keys, queue, header.id) if waits is not None else ()
             return Ending(((keys.failed(queue), "list"), *needs), to_failed)
-        wait = delay if delay is not None else backoff_delay(header)
-        again = wrap(header.next_attempt(), envelope.payload)
-        due = now + round(wait * 1000)
-        fields: list[str | int] = ["env", again, "attempts", header.attempt, "error", error]
+        failure = Failure(error, delay=delay)
 
-        back_to = keys.level(queue, header.priority)
+        def again(pipe: Pipeline) -> None:
+            now_pushed: list[tuple[str, str]] = []
+            later: list[str | int] = []
+            writes = _next_attempt(keys, queue, envelope, failure, now, now_pushed, later)
+            for command in [*writes, *_attempt_pushes(keys, queue, now_pushed, later)]:
+                pipe.execute_command(*command)
 
-        def at_once(pipe: Pipeline) -> None:
-            pipe.execute_command("RPUSH", back_to, again)
-            pipe.execute_command(*announce(keys, queue, header.priority, 1))
-            pipe.execute_command("HSET", job, *fields, "state", JobState.QUEUED.value)
-            pipe.execute_command("HDEL", job, "due", "progress", "note")
-
-        def later(pipe: Pipeline) -> None:
-            pipe.execute_command("ZADD", keys.delayed(queue), due, again)
-            pipe.execute_command("HSET", job, *fields, "state", JobState.DELAYED.value, "due", due)
-            pipe.execute_command("HDEL", job, "progress", "note")
-            pipe.execute_command("PUBLISH", keys.events(queue), event("delayed", str(due)))
-
-        if wait <= 0:
-            return Ending(((back_to, "list"),), at_once)
-        return Ending(((keys.delayed(queue), "zset"),), later)
+        if _wait_of(header, failure) <= 0:
+            return Ending(((keys.level(queue, header.priority), "list"),), again)
+        return Ending(((keys.delayed(queue), "zset"),), again)
 
     checks = [(keys.failed(queue), "list")]
     if known is None or envelope_of(known) is not None:

@@ -185,16 +185,8 @@ class Settler:
     async def _finish_batched(self, process: Process, ref: ProcessRef, result: str | None) -> bool:
         """Finish a process this peer dequeued, together with the other processes of
         its queue that end in the same moment (one transaction per batch)."""
-        finisher = self.finishers.get(process.queue)
-        if finisher is None:
-            finisher = self.finishers[process.queue] = self._group(
-                process.queue, _ops.end.finish_many
-            )
-        try:
-            finished = await finisher.submit((process, result))
-        finally:
-            if finisher.idle and self.finishers.get(process.queue) is finisher:
-                del self.finishers[process.queue]  # made again on the next finish: none kept idle
+        finish_many = _ops.end.finish_many
+        finished = await self._batched(self.finishers, finish_many, process, result)
         if not finished:
             await self._leases.fenced(ref)  # gone: see `fail`
         self.note(ref, process.task if finished else None, failed=False)
@@ -205,11 +197,8 @@ class Settler:
         failed attempts of its queue in the same moment (one transaction per batch).
         A key of the wrong type refuses the whole batch: each of its processes is then
         failed alone, so that only those whose writes meet that key stay held."""
-        failer = self.failers.get(process.queue)
-        if failer is None:
-            failer = self.failers[process.queue] = self._group(process.queue, _ops.end.fail_many)
         try:
-            ended = await failer.submit((process, failure))
+            ended = await self._batched(self.failers, _ops.end.fail_many, process, failure)
         except CorruptDataError:
             return await self.fail(
                 ref,
@@ -219,13 +208,29 @@ class Settler:
                 final=failure.final,
                 known=process.stored,
             )
-        finally:
-            if failer.idle and self.failers.get(process.queue) is failer:
-                del self.failers[process.queue]
         if not ended:
             await self._leases.fenced(ref)
         self.note(ref, process.task if ended else None, failed=True)
         return ended
+
+    async def _batched(
+        self,
+        groups: dict[str, GroupCommit[tuple[Process, _End], bool]],
+        end: _EndMany[_End],
+        process: Process,
+        outcome: _End,
+    ) -> bool:
+        """End ``process`` with ``outcome`` in the next batch of its queue's group commit
+        in ``groups`` (made at the first end, dropped once idle: none is kept idle)."""
+        queue = process.queue
+        group = groups.get(queue)
+        if group is None:
+            group = groups[queue] = self._group(queue, end)
+        try:
+            return await group.submit((process, outcome))
+        finally:
+            if group.idle and groups.get(queue) is group:
+                del groups[queue]
 
     def _group(self, queue: str, end: _EndMany[_End]) -> GroupCommit[tuple[Process, _End], bool]:
         """The group commit of one queue's ends of one kind (`finish_many`, `fail_many`)."""
