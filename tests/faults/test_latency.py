@@ -13,7 +13,7 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from worqr import DuplicateTaskError, Process, Worqr
+from worqr import DuplicateTaskError, JobFailedError, Process, Worqr
 from worqr._worqr import runtime
 
 from ..helpers import FAST, RELAXED, eventually, raw_keys
@@ -173,3 +173,44 @@ async def test_delete_and_check_repair_on_a_busy_queue_run_nothing_twice(
     assert await no_processes(real_client, prefix)
     assert "jobs" not in await admin.get_queues()
     assert (await admin.check()).ok
+
+
+async def test_retries_and_results_of_jobs_run_each_attempt_once(
+    peers: Callable[..., Worqr], real_client: Redis, prefix: str
+) -> None:
+    """Failed attempts end in batches, tried again at once or later, and waiters take
+    outcomes from the done notices, over the slow link: each attempt runs once, and
+    every job ends as its attempts say."""
+    worker, producer = peers(), peers()
+    runs: Counter[str] = Counter()
+
+    async def handler(process: Process) -> str:
+        runs[process.task] += 1
+        await anyio.sleep(SHORT)
+        if process.task.startswith("bad") or process.attempt < 3:
+            raise RuntimeError(f"{process.task} failed attempt {process.attempt}")
+        return process.task.upper()
+
+    good = [f"good{i}" for i in range(20)]
+    bad = [f"bad{i}" for i in range(20)]
+    goods = [
+        await producer.submit("jobs", task, max_attempts=3, backoff=0.05 * (i % 2))
+        for i, task in enumerate(good)
+    ]
+    bads = [await producer.submit("jobs", task, max_attempts=3, backoff=0) for task in bad]
+    failed: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(worker.consume, "jobs", handler, concurrency=8))
+        with anyio.fail_after(120):  # a hang guard: the claims are below
+            results = [await job.result() for job in goods]
+            for job in bads:
+                with pytest.raises(JobFailedError) as caught:
+                    await job.result()
+                failed.append(caught.value.error)
+        tg.cancel_scope.cancel()
+    assert results == [task.upper() for task in good]
+    assert failed == [f"RuntimeError: {task} failed attempt 3" for task in bad]
+    assert runs == dict.fromkeys(good + bad, 3)
+    assert sorted(f.task for f in await producer.get_failed("jobs")) == sorted(bad)
+    assert await no_processes(real_client, prefix)
+    assert (await producer.check()).ok
